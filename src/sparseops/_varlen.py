@@ -1,0 +1,51 @@
+"""Cumulative sequence lengths (CANN's ``actual_seq_qlen`` / ``actual_seq_kvlen``) and their helpers.
+
+CANN passes cumulative lengths *without* a leading 0: ``[128, 256]`` means two sequences of 128.
+Internally we use the usual ``cu_seqlens`` form with the 0: ``[0, 128, 256]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def normalize_cu_seqlens(name: str, cu, total: int) -> list[int]:
+    """CANN cumulative lengths (or None = one sequence) -> ``[0, c1, ..., total]`` as Python ints."""
+    if cu is None:
+        return [0, int(total)]
+    if isinstance(cu, torch.Tensor):
+        if cu.dim() != 1 or cu.dtype.is_floating_point or cu.dtype == torch.bool:
+            raise TypeError(f"{name}: expected a 1-D integer tensor or a list of ints, got {cu.dtype} tensor of {cu.dim()}-D")
+        vals = [int(x) for x in cu.tolist()]
+    elif isinstance(cu, (list, tuple)):
+        vals = []
+        for x in cu:
+            if isinstance(x, bool) or not isinstance(x, int):
+                raise TypeError(f"{name}: expected a list of ints, got an element {x!r} of type {type(x).__name__}")
+            vals.append(int(x))
+    else:
+        raise TypeError(f"{name}: expected a list of ints, an integer tensor or None, got {type(cu).__name__}")
+    if len(vals) == 0:
+        raise ValueError(f"{name}: expected at least one cumulative length, got an empty list")
+    prev = 0
+    for i, v in enumerate(vals):
+        if v < prev:
+            raise ValueError(f"{name}: cumulative lengths must be non-decreasing and >= 0, got {vals[i - 1] if i else 0} then {v} at index {i}")
+        prev = v
+    if vals[-1] != total:
+        raise ValueError(f"{name}: the last cumulative length must equal the token count {total}, got {vals[-1]}")
+    return [0] + vals
+
+
+def seq_lengths(cu: list[int]) -> list[int]:
+    return [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
+
+
+def token_seq_positions(cu: list[int], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """For every packed token: (sequence id, position inside its sequence), int64, vectorized."""
+    lens = torch.tensor(seq_lengths(cu), dtype=torch.int64, device=device)
+    total = cu[-1]
+    seq_id = torch.repeat_interleave(torch.arange(len(lens), device=device), lens, output_size=total)
+    starts = torch.tensor(cu[:-1], dtype=torch.int64, device=device)
+    pos = torch.arange(total, dtype=torch.int64, device=device) - starts[seq_id]
+    return seq_id, pos

@@ -1,0 +1,200 @@
+"""Test and benchmark helpers: the one tolerance table, a verbose comparison, input builders.
+
+Tolerances (spec/nsa.md §5) are relative RMS errors against a float64 reference computed from the
+same inputs. They are used for every op, MoE and NSA, and never tuned per test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+#: relative RMS error allowed against a float64 reference, by the dtype of the inputs
+TOLERANCES: dict[torch.dtype, float] = {
+    torch.float64: 1e-12,
+    torch.float32: 1e-5,
+    torch.float16: 2e-3,
+    torch.bfloat16: 1e-2,
+}
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return TOLERANCES[dtype]
+
+
+def rel_rms_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``rms(actual - expected) / rms(expected)`` in float64; absolute RMS when ``expected`` is all zeros.
+    NaN/inf anywhere in ``actual`` (where ``expected`` is finite) gives ``inf``."""
+    a = actual.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
+    if a.shape != e.shape:
+        raise AssertionError(f"shape mismatch: {tuple(a.shape)} vs {tuple(e.shape)}")
+    if a.numel() == 0:
+        return 0.0
+    if not torch.isfinite(a).all():
+        return math.inf
+    num = (a - e).pow(2).mean().sqrt().item()
+    den = e.pow(2).mean().sqrt().item()
+    return num / den if den > 0 else num
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, name: str = "output") -> None:
+    """Assert ``rel_rms_error <= TOLERANCES[dtype]`` (dtype defaults to ``actual.dtype``), with a useful message."""
+    dtype = dtype or actual.dtype
+    tol = TOLERANCES[dtype]
+    err = rel_rms_error(actual, expected)
+    if not err <= tol:
+        a = actual.detach().to("cpu", torch.float64)
+        e = expected.detach().to("cpu", torch.float64)
+        diff = (a - e).abs()
+        where = tuple(int(i) for i in torch.nonzero(diff == diff.max())[0]) if diff.numel() else ()
+        raise AssertionError(
+            f"{name}: relative RMS error {err:.3e} > tolerance {tol:.0e} for {dtype}; "
+            f"max |diff| {diff.max().item():.3e} at {where} (got {a[where].item() if where else '?'}, "
+            f"expected {e[where].item() if where else '?'}); shape {tuple(a.shape)}"
+        )
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill a fresh output with NaN (or -1 for ints) so that an unwritten element fails loudly."""
+    return t.fill_(float("nan") if t.dtype.is_floating_point else -1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# MoE inputs
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def make_moe_inputs(
+    T: int,
+    K: int,
+    H: int,
+    *,
+    num_experts: int = 8,
+    dtype: torch.dtype = torch.float32,
+    probs_dtype: torch.dtype | None = None,
+    index_dtype: torch.dtype = torch.int32,
+    seed: int = 0,
+    device="cpu",
+    distinct_experts: bool = True,
+) -> dict:
+    """Random tokens ``[T, H]``, expert ids ``[T, K]`` (distinct per token when ``K <= num_experts`` and
+    ``distinct_experts``), and router probs ``[T, K]`` (softmax over the K picks)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randn(T, H, generator=g, dtype=torch.float64)
+    if distinct_experts and K <= num_experts:
+        scores = torch.rand(T, num_experts, generator=g)
+        indices = scores.topk(K, dim=1).indices if T else torch.empty(0, K, dtype=torch.int64)
+    else:
+        indices = torch.randint(0, num_experts, (T, K), generator=g)
+    probs = torch.softmax(torch.randn(T, K, generator=g, dtype=torch.float64), dim=-1)
+    return {
+        "tokens": tokens.to(dtype).to(device),
+        "indices": indices.to(index_dtype).to(device),
+        "probs": probs.to(probs_dtype or dtype).to(device),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# NSA inputs
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def make_topk_indices(
+    seqlens_q: list[int],
+    seqlens_kv: list[int],
+    N2: int,
+    K: int,
+    bs: int,
+    *,
+    causal: bool = True,
+    empty_frac: float = 0.0,
+    duplicates: bool = False,
+    seed: int = 0,
+    device="cpu",
+    chunk: int = 4096,
+) -> torch.Tensor:
+    """Block ids ``[T1, N2, K]`` int32 local to each token's sequence, drawn without replacement from the blocks
+    a query can use (causal: blocks that start at or before its position; else all blocks of its sequence).
+    Slots with no block to draw are -1; ``empty_frac`` turns a random share of the others into -1;
+    ``duplicates`` copies slot 0 into slot K-1 for a random half of the rows."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for S1, S2 in zip(seqlens_q, seqlens_kv):
+        nblk = max(1, -(-S2 // bs))
+        for c0 in range(0, S1, chunk):
+            c1 = min(S1, c0 + chunk)
+            pos = torch.arange(c0, c1)
+            scores = torch.rand(c1 - c0, N2, nblk, generator=g)
+            allowed = torch.arange(nblk) * bs < S2
+            allowed = allowed.expand(c1 - c0, nblk)
+            if causal:
+                allowed = allowed & (torch.arange(nblk)[None, :] * bs <= pos[:, None])
+            scores = scores.masked_fill(~allowed[:, None, :], -1.0)
+            kk = min(K, nblk)
+            val, idx = scores.topk(kk, dim=-1)
+            idx = torch.where(val >= 0, idx, torch.full_like(idx, -1))
+            if kk < K:
+                idx = torch.cat([idx, idx.new_full((c1 - c0, N2, K - kk), -1)], dim=-1)
+            out.append(idx)
+    if not out:
+        return torch.empty(0, N2, K, dtype=torch.int32, device=device)
+    idx = torch.cat(out)
+    if empty_frac > 0:
+        drop = torch.rand(idx.shape, generator=g) < empty_frac
+        idx = idx.masked_fill(drop, -1)
+    if duplicates and K > 1:
+        rows = torch.rand(idx.shape[:2], generator=g) < 0.5
+        idx[..., K - 1] = torch.where(rows, idx[..., 0], idx[..., K - 1])
+    return idx.to(torch.int32).to(device)
+
+
+def make_nsa_inputs(
+    seqlens_q: list[int],
+    seqlens_kv: list[int] | None = None,
+    *,
+    N1: int = 4,
+    N2: int = 2,
+    Dqk: int = 32,
+    Dv: int = 16,
+    bs: int = 16,
+    K: int = 2,
+    dtype: torch.dtype = torch.float32,
+    causal: bool = True,
+    empty_frac: float = 0.0,
+    duplicates: bool = False,
+    seed: int = 0,
+    device="cpu",
+) -> dict:
+    """Packed TND inputs for ``nsa_selected_attention``: q ``[T1,N1,Dqk]``, k ``[T2,N2,Dqk]``, v ``[T2,N2,Dv]``,
+    topk ``[T1,N2,K]``, CANN cumulative lengths (no leading 0), and the keyword arguments of the op."""
+    seqlens_kv = list(seqlens_q) if seqlens_kv is None else list(seqlens_kv)
+    g = torch.Generator().manual_seed(seed)
+    T1, T2 = sum(seqlens_q), sum(seqlens_kv)
+    q = torch.randn(T1, N1, Dqk, generator=g, dtype=torch.float64)
+    k = torch.randn(T2, N2, Dqk, generator=g, dtype=torch.float64)
+    v = torch.randn(T2, N2, Dv, generator=g, dtype=torch.float64)
+    topk = make_topk_indices(
+        seqlens_q, seqlens_kv, N2, K, bs, causal=causal, empty_frac=empty_frac, duplicates=duplicates,
+        seed=seed + 1, device=device,
+    )
+    cq, ckv, a, b = [], [], 0, 0
+    for s1, s2 in zip(seqlens_q, seqlens_kv):
+        a += s1
+        b += s2
+        cq.append(a)
+        ckv.append(b)
+    return {
+        "query": q.to(dtype).to(device),
+        "key": k.to(dtype).to(device),
+        "value": v.to(dtype).to(device),
+        "topk_indices": topk,
+        "scale_value": 1.0 / math.sqrt(Dqk),
+        "head_num": N1,
+        "selected_block_size": bs,
+        "selected_block_count": K,
+        "actual_seq_qlen": cq,
+        "actual_seq_kvlen": ckv,
+        "sparse_mode": 2 if causal else 0,
+    }
