@@ -189,6 +189,7 @@ class Result:
     worst: str = ""
     ok: bool = False
     error: str | None = None
+    trace: str | None = None
 
 
 # an output check: (name, actual, expected float64 or exact, tolerance, mask of elements to compare or None)
@@ -212,6 +213,17 @@ def _norm_range(rng, N: int) -> tuple[int, int]:
     s, e = rng
     s, e = (s + N if s < 0 else s), (e + N if e < 0 else e)
     return min(max(s, 0), N), min(max(e, 0), N)
+
+
+def _oracle(fn, *args):
+    """Run the reference on one thread: it is thousands of tiny ops, which threads only slow down (and a
+    busy machine makes an OpenMP pool crawl)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(n)
 
 
 def _f64(t):
@@ -252,7 +264,7 @@ def _moe_setup(case: MoeCase, dtype, seed, device):
         s, e = 0, min(case.num_out_tokens, N)
     else:
         s, e = 0, N
-    si = moe_ref.sorted_indices_from(inp["indices"])  # int32, CPU: the oracle's slot -> row map
+    si = _oracle(moe_ref.sorted_indices_from, inp["indices"])  # int32, CPU: the oracle's slot -> row map
     probs = inp["probs"] if case.probs else None
     g = torch.Generator().manual_seed(seed + 7)
     return {
@@ -283,7 +295,7 @@ def _moe_check(op: str, case: MoeCase, backend: str, dtype, seed: int, device) -
             pt, si_out, pp = sparseops.moe_token_permute_with_ep(
                 d["tokens"], d["indices"], probs, rng, case.num_out_tokens, False, **kw
             )
-        ept, epp = moe_ref.permute(_f64(d["tokens"]), si_ref, _f64(probs), K, s, e)
+        ept, epp = _oracle(moe_ref.permute, _f64(d["tokens"]), si_ref, _f64(probs), K, s, e)
         si_cmp = si_out.to("cpu", torch.int64) if isinstance(si_out, torch.Tensor) else si_out
         return [
             ("sorted_indices", si_cmp, si_ref.to(torch.int64), EXACT, None),
@@ -295,7 +307,7 @@ def _moe_check(op: str, case: MoeCase, backend: str, dtype, seed: int, device) -
         pt = _rand((R, H), dtype, g, device)
         with tm:
             out = sparseops.moe_token_unpermute_with_ep(pt, si, probs, K, rng, False, None, **kw)
-        exp = moe_ref.unpermute(_f64(pt), si_ref, _f64(probs), K, s, e)
+        exp = _oracle(moe_ref.unpermute, _f64(pt), si_ref, _f64(probs), K, s, e)
         return [("unpermuted_tokens", out, exp, _tol(dtype, out), None)], tm.ms
 
     if op == "moe_token_unpermute_with_ep_grad":
@@ -303,7 +315,7 @@ def _moe_check(op: str, case: MoeCase, backend: str, dtype, seed: int, device) -
         pt = _rand((R, H), dtype, g, device) if probs is not None else None
         with tm:
             ptg, pg = sparseops.moe_token_unpermute_with_ep_grad(grad, si, pt, probs, False, None, rng, K, **kw)
-        eptg, epg = moe_ref.unpermute_grad(_f64(grad), si_ref, _f64(pt), _f64(probs), K, s, e)
+        eptg, epg = _oracle(moe_ref.unpermute_grad, _f64(grad), si_ref, _f64(pt), _f64(probs), K, s, e)
         return [
             ("permuted_tokens_grad", ptg, eptg, _tol(dtype, ptg), None),
             ("probs_grad", pg, epg, _tol(pdt, pg), None),
@@ -314,7 +326,7 @@ def _moe_check(op: str, case: MoeCase, backend: str, dtype, seed: int, device) -
         ppg = _rand((R,), pdt, g, device) if probs is not None else None
         with tm:
             tg, pg = sparseops.moe_token_permute_with_ep_grad(ptg, si, ppg, K, rng, False, **kw)
-        etg, epg = moe_ref.permute_grad(_f64(ptg), si_ref, _f64(ppg), K, s, e)
+        etg, epg = _oracle(moe_ref.permute_grad, _f64(ptg), si_ref, _f64(ppg), K, s, e)
         return [
             ("tokens_grad", tg, etg, _tol(dtype, tg), None),
             ("probs_grad", pg, epg, _tol(pdt, pg), None),
@@ -331,7 +343,7 @@ def _moe_check(op: str, case: MoeCase, backend: str, dtype, seed: int, device) -
             outs = [(o, go) for o, go in outs if o is not None and o.requires_grad]
             if outs:
                 torch.autograd.backward([o for o, _ in outs], [go for _, go in outs])
-        etg, epg = moe_ref.permute_grad(_f64(gpt), si_ref, _f64(gpp), K, s, e)
+        etg, epg = _oracle(moe_ref.permute_grad, _f64(gpt), si_ref, _f64(gpp), K, s, e)
         return [
             ("tokens.grad", _grad_or_zeros(tokens), etg, _tol(dtype, tokens), None),
             ("probs.grad", None if p is None else _grad_or_zeros(p), epg, _tol(pdt, p), None),
@@ -345,7 +357,7 @@ def _moe_check(op: str, case: MoeCase, backend: str, dtype, seed: int, device) -
             out = sparseops.moe_token_unpermute_with_ep(pt, si, p, K, rng, False, None, **kw)
             if out.requires_grad:
                 out.backward(gout)
-        eptg, epg = moe_ref.unpermute_grad(_f64(gout), si_ref, _f64(pt), _f64(p), K, s, e)
+        eptg, epg = _oracle(moe_ref.unpermute_grad, _f64(gout), si_ref, _f64(pt), _f64(p), K, s, e)
         return [
             ("permuted_tokens.grad", _grad_or_zeros(pt), eptg, _tol(dtype, pt), None),
             ("probs.grad", None if p is None else _grad_or_zeros(p), epg, _tol(pdt, p), None),
@@ -368,7 +380,7 @@ def _nsa_setup(case: NsaCase, dtype, seed, device):
     cu_kv = [0] + list(inp["actual_seq_kvlen"])
     ref_args = (inp["topk_indices"], inp["scale_value"], case.bs, cu_q, cu_kv, case.causal)
     q64, k64, v64 = _f64(inp["query"]), _f64(inp["key"]), _f64(inp["value"])
-    out64, m64, l64 = nsa_ref.forward(q64, k64, v64, *ref_args)
+    out64, m64, l64 = _oracle(nsa_ref.forward, q64, k64, v64, *ref_args)
     dev = {n: inp[n].to(device) for n in ("query", "key", "value", "topk_indices")}
     kwargs = {
         "actual_seq_qlen": inp["actual_seq_qlen"],
@@ -421,8 +433,8 @@ def _nsa_check(op: str, case: NsaCase, backend: str, dtype, seed: int, device) -
                 dev["query"], dev["key"], dev["value"], att, dout, smax, ssum, dev["topk_indices"],
                 **grad_kw, **kwargs, **kw,
             )
-        edq, edk, edv = nsa_ref.backward(
-            q64, k64, v64, _f64(att), _f64(dout), _f64(smax[..., 0]), _f64(ssum[..., 0]), *ref_args
+        edq, edk, edv = _oracle(
+            nsa_ref.backward, q64, k64, v64, _f64(att), _f64(dout), _f64(smax[..., 0]), _f64(ssum[..., 0]), *ref_args
         )
         return [
             ("dq", dq, edq, _tol(dtype, dq), None),
@@ -454,7 +466,7 @@ def _nsa_check(op: str, case: NsaCase, backend: str, dtype, seed: int, device) -
             )
             if out.requires_grad:
                 out.backward(dout)
-        edq, edk, edv = nsa_ref.backward(q64, k64, v64, out64, _f64(dout), m64, l64, *ref_args)
+        edq, edk, edv = _oracle(nsa_ref.backward, q64, k64, v64, out64, _f64(dout), m64, l64, *ref_args)
         return [
             ("query.grad", _grad_or_zeros(q), edq, _tol(dtype, q), None),
             ("key.grad", _grad_or_zeros(k), edk, _tol(dtype, k), None),
