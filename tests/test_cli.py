@@ -217,13 +217,55 @@ def test_bench_summary_prints_table_and_files():
         "moe",
         {
             "rows": [{"shape": "T=8", "torch_ms": 1.5, "triton_ms": 0.5}, {"shape": "T=64", "torch_ms": 2.25}],
+            "gate": [{"what": "fp32 out", "err": 1e-7, "tol": 1e-5}, {"what": "bf16 out", "err": 2e-3, "tol": 1e-2}],
             "json": "/tmp/x/moe.json",
             "png": "/tmp/x/moe.png",
         },
     )
     text = "\n".join(lines)
     assert "torch_ms" in text and "triton_ms" in text and "T=64" in text
+    assert "2/2 within tolerance" in text
     assert "/tmp/x/moe.json" in text and "/tmp/x/moe.png" in text
+
+
+FAKE_BENCH = """
+import json
+from pathlib import Path
+
+def run(quick=False, smoke=False, out=None):
+    if {fail}:
+        raise RuntimeError("correctness gate failed")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rec = {{"rows": [{{"H": 8, "ours ms": 0.1, "peer ms": 0.3}}], "mode": "smoke" if smoke else "full"}}
+    (out / "moe.json").write_text(json.dumps(rec))
+    (out / "moe.png").write_bytes(b"png")
+    return rec
+
+def print_table(rec):
+    print("H | ours ms | peer ms | mode")
+    for r in rec["rows"]:
+        print(f"{{r['H']}} | {{r['ours ms']}} | {{r['peer ms']}} | {{rec['mode']}}")
+"""
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["ok", "gate-fails"])
+def test_bench_runs_a_benchmark_script(tmp_path, monkeypatch, capsys, fail):
+    """The loading, --smoke/--out passthrough, table and file report, on a stand-in script."""
+    bench = tmp_path / "benchmarks"
+    bench.mkdir()
+    (bench / "moe.py").write_text(FAKE_BENCH.format(fail=fail))
+    monkeypatch.setenv("SPARSEOPS_BENCHMARKS", str(bench))
+    out = tmp_path / "out"
+    rc = cli.main(["bench", "--op", "moe", "--smoke", "--out", str(out)])
+    text = capsys.readouterr().out
+    if fail:
+        assert rc == 1
+        assert "RuntimeError: correctness gate failed" in text
+        return
+    assert rc == 0, text
+    assert "8 | 0.1 | 0.3 | smoke" in text  # the script's own table, run with smoke=True
+    assert str(out / "moe.json") in text and str(out / "moe.png") in text
 
 
 @pytest.mark.skipif(

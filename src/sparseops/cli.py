@@ -727,37 +727,54 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-_PATH_KEYS = ("json", "png", "csv", "out", "path", "paths", "files", "written")
+_PATH_KEYS = ("json", "png", "csv", "path", "paths", "files", "written")
 
 
-def summarize_bench(name: str, result) -> list[str]:
-    """Print-ready lines for one benchmark's ``run`` result: its table and the files it wrote."""
+def summarize_bench(name: str, result, mod=None) -> list[str]:
+    """Print-ready lines for one benchmark's ``run`` result: its side-by-side table (the script's own
+    ``print_table`` when it has one), the correctness gate, and any file paths the result names."""
     lines = [f"== benchmarks/{name}.py"]
     if not isinstance(result, dict):
         lines.append(str(result))
         return lines
-    table = result.get("table")
-    rows = result.get("rows") or result.get("results")
-    if isinstance(table, str):
-        lines.append(table)
-    elif isinstance(rows, list) and rows and all(isinstance(r, dict) for r in rows):
-        lines.append(format_table(rows))
+    printer = getattr(mod, "print_table", None)
+    if callable(printer):
+        import contextlib
+        import io
+
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            printer(result)
+        lines += buf.getvalue().rstrip("\n").splitlines()
+    elif isinstance(result.get("table"), str):
+        lines.append(result["table"])
+    else:
+        rows = result.get("rows") or result.get("results")
+        if isinstance(rows, list) and rows and all(isinstance(r, dict) for r in rows):
+            lines.append(format_table(rows))
+    gate = result.get("gate")
+    if isinstance(gate, list) and gate and all(isinstance(g, dict) and "err" in g and "tol" in g for g in gate):
+        ok = sum(1 for g in gate if g["err"] <= g["tol"])
+        worst = max(gate, key=lambda g: g["err"] / g["tol"] if g["tol"] else math.inf)
+        lines.append(f"correctness gate vs reference: {ok}/{len(gate)} within tolerance "
+                     f"(worst {worst.get('what', '?')}: {worst['err']:.2e} <= {worst['tol']:.0e})")
     files = []
     for k, v in result.items():
-        if any(p in k.lower() for p in _PATH_KEYS):
+        if any(p == k.lower() or k.lower().endswith("_" + p) for p in _PATH_KEYS):
             if isinstance(v, (str, Path)):
-                files.append(f"{k}: {v}")
+                files.append(str(v))
             elif isinstance(v, (list, tuple)) and all(isinstance(x, (str, Path)) for x in v):
-                files += [f"{k}: {x}" for x in v]
-            elif isinstance(v, dict) and all(isinstance(x, (str, Path)) for x in v.values()):
-                files += [f"{k}.{kk}: {x}" for kk, x in v.items()]
+                files += [str(x) for x in v]
     if files:
-        lines.append("written:")
-        lines += [f"  {f}" for f in files]
-    ok = result.get("ok", result.get("passed"))
-    if ok is not None:
-        lines.append(f"correctness gate: {'PASS' if ok else 'FAIL'}")
+        lines.append("written: " + ", ".join(files))
     return lines
+
+
+def _written_files(out: Path, name: str, since: float) -> list[str]:
+    """The result files ``<out>/<name>.*`` the run wrote (modified since it started)."""
+    if not out.is_dir():
+        return []
+    return sorted(str(p) for p in out.glob(f"{name}.*") if p.is_file() and p.stat().st_mtime >= since - 1)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -765,12 +782,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     mods = [(n, load_benchmark(n)) for n in names]  # fail before running anything
     status = 0
     for name, mod in mods:
+        out = Path(args.out) if args.out else Path(mod.__file__).resolve().parent / "results"
         t0 = time.perf_counter()
-        result = mod.run(quick=args.quick, smoke=args.smoke, out=args.out)
-        for line in summarize_bench(name, result):
+        started = time.time()
+        try:
+            result = mod.run(quick=args.quick, smoke=args.smoke, out=out)
+        except Exception as exc:
+            print(f"== benchmarks/{name}.py FAILED: {type(exc).__name__}: {exc}")
+            status = 1
+            continue
+        for line in summarize_bench(name, result, mod):
             print(line)
+        files = _written_files(out, name, started)
+        print(f"results: {', '.join(files) if files else f'(nothing named {name}.* written in {out})'}")
         print(f"({name} took {time.perf_counter() - t0:.1f} s)")
-        if isinstance(result, dict) and result.get("ok", result.get("passed", True)) is False:
+        if isinstance(result, dict) and result.get("ok", True) is False:
             status = 1
     return status
 
