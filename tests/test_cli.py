@@ -183,7 +183,7 @@ def test_backend_selection(monkeypatch):
     monkeypatch.setattr(cli._checks, "triton_interpret", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli.available_backends("all")[0] == ["torch"]
-    with pytest.raises(SystemExit, match="TRITON_INTERPRET"):
+    with pytest.raises(SystemExit, match="TRITON_INTERPRET=1"):
         cli.available_backends("triton")
     monkeypatch.setattr(cli._checks, "triton_interpret", lambda: True)
     assert cli.available_backends("all")[0] == ["torch", "triton"]
@@ -198,6 +198,12 @@ def test_check_triton_unavailable_is_a_clear_error(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli.main(["check", "--backend", "triton"]) == 2
     assert "--backend triton is not available" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_check_device_cuda_without_cuda_is_a_clear_error(capsys):
+    assert cli.main(["check", "--device", "cuda"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -568,14 +568,25 @@ def _fmt_result(r: Result) -> str:
     return _fmt_row((r.op, r.backend, r.dtype, r.case, r.worst or "-", err, tol, ms, "PASS" if r.ok else "FAIL"))
 
 
-def available_backends(choice: str) -> tuple[list[str], list[str]]:
-    """(backends to run, notes on skipped ones). torch always; triton with CUDA, or on CPU under TRITON_INTERPRET=1."""
+def check_device(want: str = "auto") -> torch.device:
+    """The device of the checked inputs: CUDA when available (``auto``) or asked for, else CPU."""
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise SystemExit(f"{_prog()} check: --device cuda asked for but no CUDA device is available")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def available_backends(choice: str, device: torch.device | None = None) -> tuple[list[str], list[str]]:
+    """(backends to run, notes on skipped ones). torch always; triton for CUDA tensors, or for CPU tensors
+    under TRITON_INTERPRET=1 (set before triton is imported)."""
+    device = check_device() if device is None else device
     notes = []
-    triton_ok = _checks.triton_available() and (torch.cuda.is_available() or _checks.triton_interpret())
+    triton_ok = _checks.triton_available() and (device.type == "cuda" or _checks.triton_interpret())
     if not _checks.triton_available():
         why = "triton does not import (pip install sparseops[triton])"
     elif not triton_ok:
-        why = "no CUDA device and TRITON_INTERPRET is not 1"
+        why = f"inputs on {device} need TRITON_INTERPRET=1 (no CUDA device, or --device cpu)"
     else:
         why = ""
     if choice == "torch":
@@ -592,14 +603,6 @@ def available_backends(choice: str) -> tuple[list[str], list[str]]:
     return out, notes
 
 
-def _backend_device(backend: str, want: str) -> torch.device:
-    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise SystemExit(f"{_prog()} check: --device cuda asked for but no CUDA device is available")
-        return torch.device("cuda")
-    return torch.device("cpu")
-
-
 def _progress(total: int):
     """A tqdm bar on a terminal (if tqdm is installed); None means plain prints."""
     if not sys.stderr.isatty():
@@ -612,12 +615,12 @@ def _progress(total: int):
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    backends, notes = available_backends(args.backend)
+    device = check_device(args.device)
+    backends, notes = available_backends(args.backend, device)
     dtypes = list(DTYPES.values()) if not args.dtype or "all" in args.dtype else [DTYPES[d] for d in args.dtype]
     families = ("moe", "nsa") if args.op == "all" else (args.op,)
     plan = []
     for backend in backends:
-        device = _backend_device(backend, args.device)
         # the Triton interpreter is slow: tiny shapes on CPU tensors
         tiny = args.tiny or (backend == "triton" and device.type == "cpu")
         for family in families:
