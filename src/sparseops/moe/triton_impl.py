@@ -1,0 +1,137 @@
+"""Triton launchers for the MoE ops, with the backend signatures of docs/internals.md.
+
+Arguments arrive validated and normalised (window ``[s, e)``, top-k ``K``, full ``[N]`` slot -> row map that
+is a permutation of ``[0, N)``). One program per token; see ``triton_kernels.py`` and docs/moe_triton.md.
+
+Outputs are allocated with ``torch.empty`` and need no zero-fill: because ``sorted_indices`` is a
+permutation, each row ``r`` of a ``[R, H]`` output is ``v - s`` for exactly one slot with ``v = r + s``, and
+that slot is live, so its owning program writes the row; ``[T, ...]`` outputs are written by their token's
+program for every ``h`` and ``k`` (zeros where no slot is live). Empty windows (``R = 0``), ``T = 0`` and
+``H = 0`` never launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_kernels import moe_permute_kernel, moe_unpermute_grad_kernel, moe_unpermute_kernel
+
+#: benchmark-only overrides of the launch configuration: ``{kernel name: (BLOCK_K, BLOCK_H, num_warps)}``
+_override: dict[str, tuple[int, int, int]] = {}
+
+
+def _acc(*ts) -> tl.dtype:
+    return tl.float64 if any(t is not None and t.dtype == torch.float64 for t in ts) else tl.float32
+
+
+def _tile(name: str, H: int, K: int, elem: int, max_k: int, max_elems: int) -> tuple[int, int, int]:
+    """``(BLOCK_K, BLOCK_H, num_warps)``: 16-byte vectors along H, a tile of at most ``max_elems`` values."""
+    if name in _override:
+        return _override[name]
+    block_k = min(triton.next_power_of_2(K), max_k)
+    block_h = min(triton.next_power_of_2(H), max(16, max_elems // block_k), 4096 // elem)
+    num_warps = max(1, min(8, block_k * block_h * elem // (16 * 32 * 2)))
+    return block_k, block_h, num_warps
+
+
+def _launch(kernel, T: int, device: torch.device, args, num_warps: int, **meta) -> None:
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            kernel[(T,)](*args, num_warps=num_warps, **meta)
+    else:
+        kernel[(T,)](*args, num_warps=num_warps, **meta)
+
+
+def permute(tokens, sorted_indices, probs, K, s, e):
+    """``permuted_tokens[v - s] = tokens[i // K]``, ``permuted_probs[v - s] = probs.flatten()[i]`` for live i."""
+    T, H = tokens.shape
+    R = e - s
+    out = torch.empty(R, H, dtype=tokens.dtype, device=tokens.device)
+    pprobs = None if probs is None else torch.empty(R, dtype=probs.dtype, device=tokens.device)
+    if T == 0 or R == 0 or (H == 0 and probs is None):
+        return out, pprobs
+    tokens = tokens.contiguous()
+    si = sorted_indices.contiguous()
+    probs_c = None if probs is None else probs.contiguous()
+    block_k, block_h, num_warps = _tile("permute", max(H, 1), K, tokens.element_size(), 8, 8192)
+    _launch(
+        moe_permute_kernel, T, tokens.device,
+        (tokens, si, probs_c if probs is not None else si, out, pprobs if probs is not None else out, s, e, H, K),
+        num_warps, HAS_PROBS=probs is not None, BLOCK_K=block_k, BLOCK_H=block_h,
+    )
+    return out, pprobs
+
+
+def unpermute(permuted_tokens, sorted_indices, probs, K, s, e):
+    """``out[t] = sum_k probs[t, k] * permuted_tokens[v - s]`` over live slots, k ascending, prob == 0 skipped."""
+    R, H = permuted_tokens.shape
+    T = sorted_indices.numel() // K
+    if T == 0 or H == 0 or R == 0:
+        return torch.zeros(T, H, dtype=permuted_tokens.dtype, device=permuted_tokens.device)
+    out = torch.empty(T, H, dtype=permuted_tokens.dtype, device=permuted_tokens.device)
+    x = permuted_tokens.contiguous()
+    si = sorted_indices.contiguous()
+    probs_c = None if probs is None else probs.contiguous()
+    block_k, block_h, num_warps = _tile("unpermute", H, K, x.element_size(), 8, 2048)
+    _launch(
+        moe_unpermute_kernel, T, x.device,
+        (x, si, probs_c if probs is not None else si, out, si, si, s, e, H, K),
+        num_warps, HAS_PROBS=probs is not None, GATHER_PG=False, ACC=_acc(x, probs),
+        BLOCK_K=block_k, BLOCK_H=block_h,
+    )
+    return out
+
+
+def unpermute_grad(grad, sorted_indices, permuted_tokens, probs, K, s, e):
+    """The seed op: ``ptg[v - s] = grad[t] * probs[t, k]`` (exact copy without probs) and
+    ``probs_grad[t, k] = <permuted_tokens[v - s], grad[t]>`` (0 for dead slots), in one pass."""
+    T, H = grad.shape
+    R = e - s
+    ptg = torch.empty(R, H, dtype=grad.dtype, device=grad.device)
+    if probs is None:
+        pg = None
+        if T == 0 or R == 0 or H == 0:
+            return ptg, pg
+    else:
+        if T == 0 or R == 0 or H == 0:
+            return ptg, torch.zeros(T, K, dtype=probs.dtype, device=grad.device)
+        pg = torch.empty(T, K, dtype=probs.dtype, device=grad.device)
+    g = grad.contiguous()
+    si = sorted_indices.contiguous()
+    x = g if permuted_tokens is None else permuted_tokens.contiguous()
+    probs_c = si if probs is None else probs.contiguous()
+    block_k, block_h, num_warps = _tile("unpermute_grad", H, K, g.element_size(), 8, 8192)
+    _launch(
+        moe_unpermute_grad_kernel, T, g.device,
+        (g, si, x, probs_c, ptg, ptg if pg is None else pg, s, e, H, K),
+        num_warps, HAS_PROBS=probs is not None, ACC=_acc(g, permuted_tokens, probs),
+        BLOCK_K=block_k, BLOCK_H=block_h,
+    )
+    return ptg, pg
+
+
+def permute_grad(ptg, sorted_indices, permuted_probs_grad, K, s, e):
+    """``tokens_grad[t] = sum_k ptg[v - s]`` over live slots (k ascending); ``probs_grad[t, k] = ppg[v - s]`` or 0."""
+    R, H = ptg.shape
+    T = sorted_indices.numel() // K
+    ppg = permuted_probs_grad
+    if T == 0 or R == 0:
+        tg = torch.zeros(T, H, dtype=ptg.dtype, device=ptg.device)
+        pg = None if ppg is None else torch.zeros(T, K, dtype=ppg.dtype, device=ptg.device)
+        return tg, pg
+    tg = torch.empty(T, H, dtype=ptg.dtype, device=ptg.device)
+    pg = None if ppg is None else torch.empty(T, K, dtype=ppg.dtype, device=ptg.device)
+    if H == 0 and ppg is None:
+        return tg, pg
+    x = ptg.contiguous()
+    si = sorted_indices.contiguous()
+    block_k, block_h, num_warps = _tile("permute_grad", max(H, 1), K, x.element_size(), 8, 2048)
+    _launch(
+        moe_unpermute_kernel, T, x.device,
+        (x, si, si, tg, si if ppg is None else ppg.contiguous(), tg if pg is None else pg, s, e, H, K),
+        num_warps, HAS_PROBS=False, GATHER_PG=ppg is not None, ACC=_acc(x),
+        BLOCK_K=block_k, BLOCK_H=block_h,
+    )
+    return tg, pg
