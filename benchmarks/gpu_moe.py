@@ -300,33 +300,41 @@ def te_backward(moe_unpermute, a):
 
 
 def tune(device, log) -> dict:
-    """Sweep (BLOCK_K, BLOCK_H, num_warps) for the two kernel shapes at T=16384, H=7168, K=8, bf16; install the
-    best in ``triton_impl._override`` (the token-walk kernels share one, the slot-sum kernels the other)."""
-    a = make_inputs(16384, 7168, 8, 64, "full", torch.bfloat16, torch.float32, device)
-    best = {}
+    """Sweep (BLOCK_K, BLOCK_H, num_warps) for the two kernel shapes at T=16384, H=7168, K=8, bf16, full and
+    quarter window; report the best of each and install the full-window best in ``triton_impl._override`` for the
+    rest of the run (the slot-tile kernels share one, the row kernels the other)."""
     grids = {
-        "unpermute_grad": [(bk, bh, w) for bk in (4, 8) for bh in (512, 1024, 2048) for w in (4, 8, 16)],
-        "unpermute": [(bk, bh, w) for bk in (4, 8) for bh in (512, 1024, 2048, 4096) for w in (2, 4, 8)],
+        "unpermute_grad": [(bk, bh, w) for bk in (2, 4, 8) for bh in (512, 1024, 2048) for w in (2, 4, 8)],
+        "unpermute": [(bk, bh, w) for bk in (4, 8) for bh in (1024, 2048, 4096, 8192) for w in (4, 8)],
     }
-    for op, grid in grids.items():
-        results = []
-        for cfg in grid:
-            triton_impl._override[op] = cfg
-            try:
-                ms = bench_ms(lambda op=op: getattr(triton_impl, op)(*op_args(op, a)), device)
-                results.append((ms, cfg))
-                log(f"  tune {op:15s} BLOCK_K={cfg[0]} BLOCK_H={cfg[1]} warps={cfg[2]}: {ms:.3f} ms")
-            except Exception as exc:
-                log(f"  tune {op:15s} {cfg}: failed {type(exc).__name__}: {exc}")
-        triton_impl._override.pop(op, None)
-        if results:
-            ms, cfg = min(results)
-            best[op] = {"config": cfg, "ms": ms}
-            log(f"best {op}: BLOCK_K={cfg[0]} BLOCK_H={cfg[1]} warps={cfg[2]} ({ms:.3f} ms)")
-    if "unpermute_grad" in best:
-        triton_impl._override["unpermute_grad"] = triton_impl._override["permute"] = best["unpermute_grad"]["config"]
-    if "unpermute" in best:
-        triton_impl._override["unpermute"] = triton_impl._override["permute_grad"] = best["unpermute"]["config"]
+    best = {}
+    for window in ("full", "quarter"):
+        a = make_inputs(16384, 7168, 8, 64, window, torch.bfloat16, torch.float32, device)
+        for op, grid in grids.items():
+            results = []
+            for cfg in grid:
+                if cfg[0] * cfg[1] > 16384:
+                    continue
+                triton_impl._override[op] = cfg
+                try:
+                    ms = bench_ms(lambda op=op, a=a: getattr(triton_impl, op)(*op_args(op, a)), device)
+                    results.append((ms, cfg))
+                    log(f"  tune {op:15s} {window:8s} BLOCK_K={cfg[0]} BLOCK_H={cfg[1]} warps={cfg[2]}: {ms:.3f} ms")
+                except Exception as exc:
+                    log(f"  tune {op:15s} {window:8s} {cfg}: failed {type(exc).__name__}: {exc}")
+            triton_impl._override.pop(op, None)
+            if results:
+                ms, cfg = min(results)
+                default_ms = bench_ms(lambda op=op, a=a: getattr(triton_impl, op)(*op_args(op, a)), device)
+                best[f"{op}/{window}"] = {"config": cfg, "ms": ms, "default_ms": default_ms}
+                log(f"best {op} {window}: BLOCK_K={cfg[0]} BLOCK_H={cfg[1]} warps={cfg[2]} ({ms:.3f} ms; "
+                    f"built-in default {default_ms:.3f} ms)")
+    if "unpermute_grad/full" in best:
+        cfg = best["unpermute_grad/full"]["config"]
+        triton_impl._override["unpermute_grad"] = triton_impl._override["permute"] = cfg
+    if "unpermute/full" in best:
+        cfg = best["unpermute/full"]["config"]
+        triton_impl._override["unpermute"] = triton_impl._override["permute_grad"] = cfg
     return best
 
 

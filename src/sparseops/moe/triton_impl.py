@@ -26,13 +26,21 @@ def _acc(*ts) -> tl.dtype:
     return tl.float64 if any(t is not None and t.dtype == torch.float64 for t in ts) else tl.float32
 
 
-def _tile(name: str, H: int, K: int, elem: int, max_k: int, max_elems: int) -> tuple[int, int, int]:
-    """``(BLOCK_K, BLOCK_H, num_warps)``: 16-byte vectors along H, a tile of at most ``max_elems`` values."""
+def _tile(name: str, H: int, K: int, elem: int, slot_tile: bool) -> tuple[int, int, int]:
+    """``(BLOCK_K, BLOCK_H, num_warps)``. ``slot_tile``: the kernel holds a ``[BLOCK_K, BLOCK_H]`` tile (all slots
+    of a chunk at once, at most 16 KiB); else it holds one ``[BLOCK_H]`` row of at most 4 KiB per unrolled slot.
+    Tuned on an H200 at T=16384, H=7168, K=8, bf16 (benchmarks/gpu_moe.py --tune): [8, 1024] with 4 warps for
+    the tile kernels; the row kernels were flat (within 2%) over BLOCK_H 512..4096 and 2..8 warps."""
     if name in _override:
         return _override[name]
-    block_k = min(triton.next_power_of_2(K), max_k)
-    block_h = min(triton.next_power_of_2(H), max(16, max_elems // block_k), 4096 // elem)
-    num_warps = max(1, min(8, block_k * block_h * elem // (16 * 32 * 2)))
+    block_k = min(triton.next_power_of_2(K), 8)
+    if slot_tile:
+        block_h = min(triton.next_power_of_2(H), (16384 // elem) // block_k)
+        tile_bytes = block_k * block_h * elem
+    else:
+        block_h = min(triton.next_power_of_2(H), 4096 // elem)
+        tile_bytes = 4 * block_h * elem
+    num_warps = max(1, min(4, tile_bytes // 4096))
     return block_k, block_h, num_warps
 
 
@@ -55,7 +63,7 @@ def permute(tokens, sorted_indices, probs, K, s, e):
     tokens = tokens.contiguous()
     si = sorted_indices.contiguous()
     probs_c = None if probs is None else probs.contiguous()
-    block_k, block_h, num_warps = _tile("permute", max(H, 1), K, tokens.element_size(), 8, 8192)
+    block_k, block_h, num_warps = _tile("permute", max(H, 1), K, tokens.element_size(), True)
     _launch(
         moe_permute_kernel, T, tokens.device,
         (tokens, si, probs_c if probs is not None else si, out, pprobs if probs is not None else out, s, e, H, K),
@@ -74,7 +82,7 @@ def unpermute(permuted_tokens, sorted_indices, probs, K, s, e):
     x = permuted_tokens.contiguous()
     si = sorted_indices.contiguous()
     probs_c = None if probs is None else probs.contiguous()
-    block_k, block_h, num_warps = _tile("unpermute", H, K, x.element_size(), 8, 2048)
+    block_k, block_h, num_warps = _tile("unpermute", H, K, x.element_size(), False)
     _launch(
         moe_unpermute_kernel, T, x.device,
         (x, si, probs_c if probs is not None else si, out, si, si, s, e, H, K),
@@ -102,7 +110,7 @@ def unpermute_grad(grad, sorted_indices, permuted_tokens, probs, K, s, e):
     si = sorted_indices.contiguous()
     x = g if permuted_tokens is None else permuted_tokens.contiguous()
     probs_c = si if probs is None else probs.contiguous()
-    block_k, block_h, num_warps = _tile("unpermute_grad", H, K, g.element_size(), 8, 8192)
+    block_k, block_h, num_warps = _tile("unpermute_grad", H, K, g.element_size(), True)
     _launch(
         moe_unpermute_grad_kernel, T, g.device,
         (g, si, x, probs_c, ptg, ptg if pg is None else pg, s, e, H, K),
@@ -127,7 +135,7 @@ def permute_grad(ptg, sorted_indices, permuted_probs_grad, K, s, e):
         return tg, pg
     x = ptg.contiguous()
     si = sorted_indices.contiguous()
-    block_k, block_h, num_warps = _tile("permute_grad", max(H, 1), K, x.element_size(), 8, 2048)
+    block_k, block_h, num_warps = _tile("permute_grad", max(H, 1), K, x.element_size(), False)
     _launch(
         moe_unpermute_kernel, T, x.device,
         (x, si, si, tg, si if ppg is None else ppg.contiguous(), tg if pg is None else pg, s, e, H, K),
