@@ -276,3 +276,42 @@ def test_deterministic():
     t1, q1 = triton_impl.permute_grad(a["x"], a["si"], a["ppg"], 8, 5, 50)
     t2, q2 = triton_impl.permute_grad(a["x"], a["si"], a["ppg"], 8, 5, 50)
     assert torch.equal(t1, t2) and torch.equal(q1, q2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# launch configurations: tiny tiles force every loop to run more than once
+# ---------------------------------------------------------------------------------------------------------------
+
+# (BLOCK_K, BLOCK_J, BLOCK_H, num_warps): several slot chunks, several live-slot groups per chunk, several H chunks
+TINY_TILES = [
+    pytest.param((4, 1, 16, 1), id="K4-J1-H16"),
+    pytest.param((2, 2, 32, 1), id="K2-J2-H32"),
+    pytest.param((8, 4, 16, 2), id="K8-J4-H16"),
+]
+
+
+@pytest.mark.parametrize("window", [None, (9, 27)], ids=["full", "partial"])
+@pytest.mark.parametrize("cfg", TINY_TILES)
+def test_small_tiles(cfg, window, monkeypatch):
+    for op in ("permute", "unpermute", "unpermute_grad", "permute_grad"):
+        monkeypatch.setitem(triton_impl._override, op, cfg)
+    T, K, H = 5, 7, 50
+    a = _inputs(T, K, H, window, torch.bfloat16, torch.float16, torch.int32, seed=10)
+    K, s, e = a["K"], a["s"], a["e"]
+    up = {k: _up(a[k]).cpu() for k in ("grad", "x", "probs")}
+    si = a["si"].cpu()
+    ptg, pg = triton_impl.unpermute_grad(a["grad"], a["si"], a["x"], a["probs"], K, s, e)
+    ptg_r, pg_r = ref.unpermute_grad(up["grad"], si, up["x"], up["probs"], K, s, e)
+    testing.assert_close(ptg, ptg_r, dtype=torch.bfloat16, name="permuted_tokens_grad")
+    testing.assert_close(pg, pg_r, dtype=torch.float16, name="probs_grad")
+    ptg, _ = triton_impl.unpermute_grad(a["grad"], a["si"], None, None, K, s, e)
+    assert torch.equal(ptg.cpu(), ref.unpermute_grad(a["grad"].cpu(), si, None, None, K, s, e)[0])
+    out = triton_impl.unpermute(a["x"], a["si"], a["probs"], K, s, e)
+    testing.assert_close(out, ref.unpermute(up["x"], si, up["probs"], K, s, e), dtype=torch.bfloat16)
+    pt, pp = triton_impl.permute(a["tokens"], a["si"], a["probs"], K, s, e)
+    pt_r, pp_r = ref.permute(a["tokens"].cpu(), si, a["probs"].cpu(), K, s, e)
+    assert torch.equal(pt.cpu(), pt_r) and torch.equal(pp.cpu(), pp_r)
+    tg, pg = triton_impl.permute_grad(a["x"], a["si"], a["ppg"], K, s, e)
+    tg_r, pg_r = ref.permute_grad(up["x"], si, a["ppg"].cpu(), K, s, e)
+    testing.assert_close(tg, tg_r, dtype=torch.bfloat16, name="tokens_grad")
+    assert torch.equal(pg.cpu(), pg_r)

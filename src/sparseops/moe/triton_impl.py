@@ -1,12 +1,13 @@
 """Triton launchers for the MoE ops, with the backend signatures of docs/internals.md.
 
 Arguments arrive validated and normalised (window ``[s, e)``, top-k ``K``, full ``[N]`` slot -> row map that
-is a permutation of ``[0, N)``). One program per token; see ``triton_kernels.py`` and docs/moe_triton.md.
+is a permutation of ``[0, N)``). One program per token (times an H chunk where nothing reduces over H); see
+``triton_kernels.py`` and docs/moe_triton.md.
 
 Outputs are allocated with ``torch.empty`` and need no zero-fill: because ``sorted_indices`` is a
 permutation, each row ``r`` of a ``[R, H]`` output is ``v - s`` for exactly one slot with ``v = r + s``, and
 that slot is live, so its owning program writes the row; ``[T, ...]`` outputs are written by their token's
-program for every ``h`` and ``k`` (zeros where no slot is live). Empty windows (``R = 0``), ``T = 0`` and
+program(s) for every ``h`` and ``k`` (zeros where no slot is live). Empty windows (``R = 0``), ``T = 0`` and
 ``H = 0`` never launch.
 """
 
@@ -18,38 +19,42 @@ import triton.language as tl
 
 from .triton_kernels import moe_permute_kernel, moe_unpermute_grad_kernel, moe_unpermute_kernel
 
-#: benchmark-only overrides of the launch configuration: ``{kernel name: (BLOCK_K, BLOCK_H, num_warps)}``
-_override: dict[str, tuple[int, int, int]] = {}
+#: benchmark-only overrides of the launch configuration: ``{op: (BLOCK_K, BLOCK_J, BLOCK_H, num_warps)}``
+_override: dict[str, tuple[int, int, int, int]] = {}
 
 
 def _acc(*ts) -> tl.dtype:
     return tl.float64 if any(t is not None and t.dtype == torch.float64 for t in ts) else tl.float32
 
 
-def _tile(name: str, H: int, K: int, elem: int, slot_tile: bool) -> tuple[int, int, int]:
-    """``(BLOCK_K, BLOCK_H, num_warps)``. ``slot_tile``: the kernel holds a ``[BLOCK_K, BLOCK_H]`` tile (all slots
-    of a chunk at once, at most 16 KiB); else it holds one ``[BLOCK_H]`` row of at most 4 KiB per unrolled slot.
-    Tuned on an H200 at T=16384, H=7168, K=8, bf16 (benchmarks/gpu_moe.py --tune): [8, 1024] with 4 warps for
-    the tile kernels; the row kernels were flat (within 2%) over BLOCK_H 512..4096 and 2..8 warps."""
+def _tile(name: str, H: int, K: int, N: int, R: int, elem: int, slot_tile: bool) -> tuple[int, int, int, int]:
+    """``(BLOCK_K, BLOCK_J, BLOCK_H, num_warps)``.
+
+    ``BLOCK_K`` slots are ranked at once; ``BLOCK_J`` live slots move together, sized to the expected live slots
+    per token ``K * R / N`` (8 on a full window with K = 8, 2 on a quarter EP window). ``slot_tile``: the kernel
+    holds a ``[BLOCK_J, BLOCK_H]`` tile (at most 16 KiB); else one ``[BLOCK_H]`` row (at most 4 KiB) per unrolled
+    live slot. Tuned on an H200 at T=16384, H=7168, K=8, bf16 (benchmarks/gpu_moe.py --tune)."""
     if name in _override:
         return _override[name]
-    block_k = min(triton.next_power_of_2(K), 8)
+    block_k = min(triton.next_power_of_2(K), 32)
+    live = max(1, round(K * R / max(1, N)))
+    block_j = min(block_k, 8, triton.next_power_of_2(live))
     if slot_tile:
-        block_h = min(triton.next_power_of_2(H), (16384 // elem) // block_k)
-        tile_bytes = block_k * block_h * elem
+        block_h = min(triton.next_power_of_2(H), (16384 // elem) // block_j, 4096)
+        tile_bytes = block_j * block_h * elem
     else:
         block_h = min(triton.next_power_of_2(H), 4096 // elem)
         tile_bytes = 4 * block_h * elem
     num_warps = max(1, min(4, tile_bytes // 4096))
-    return block_k, block_h, num_warps
+    return block_k, block_j, block_h, num_warps
 
 
-def _launch(kernel, T: int, device: torch.device, args, num_warps: int, **meta) -> None:
+def _launch(kernel, grid, device: torch.device, args, num_warps: int, **meta) -> None:
     if device.type == "cuda":
         with torch.cuda.device(device):
-            kernel[(T,)](*args, num_warps=num_warps, **meta)
+            kernel[grid](*args, num_warps=num_warps, **meta)
     else:
-        kernel[(T,)](*args, num_warps=num_warps, **meta)
+        kernel[grid](*args, num_warps=num_warps, **meta)
 
 
 def permute(tokens, sorted_indices, probs, K, s, e):
@@ -62,12 +67,13 @@ def permute(tokens, sorted_indices, probs, K, s, e):
         return out, pprobs
     tokens = tokens.contiguous()
     si = sorted_indices.contiguous()
-    probs_c = None if probs is None else probs.contiguous()
-    block_k, block_h, num_warps = _tile("permute", max(H, 1), K, tokens.element_size(), True)
+    probs_c = si if probs is None else probs.contiguous()
+    Hc = max(H, 1)
+    block_k, block_j, block_h, num_warps = _tile("permute", Hc, K, T * K, R, tokens.element_size(), True)
     _launch(
-        moe_permute_kernel, T, tokens.device,
-        (tokens, si, probs_c if probs is not None else si, out, pprobs if probs is not None else out, s, e, H, K),
-        num_warps, HAS_PROBS=probs is not None, BLOCK_K=block_k, BLOCK_H=block_h,
+        moe_permute_kernel, (T, triton.cdiv(Hc, block_h)), tokens.device,
+        (tokens, si, probs_c, out, out if pprobs is None else pprobs, s, e, H, K),
+        num_warps, HAS_PROBS=probs is not None, BLOCK_K=block_k, BLOCK_J=block_j, BLOCK_H=block_h,
     )
     return out, pprobs
 
@@ -81,13 +87,13 @@ def unpermute(permuted_tokens, sorted_indices, probs, K, s, e):
     out = torch.empty(T, H, dtype=permuted_tokens.dtype, device=permuted_tokens.device)
     x = permuted_tokens.contiguous()
     si = sorted_indices.contiguous()
-    probs_c = None if probs is None else probs.contiguous()
-    block_k, block_h, num_warps = _tile("unpermute", H, K, x.element_size(), False)
+    probs_c = si if probs is None else probs.contiguous()
+    block_k, block_j, block_h, num_warps = _tile("unpermute", H, K, T * K, R, x.element_size(), False)
     _launch(
-        moe_unpermute_kernel, T, x.device,
-        (x, si, probs_c if probs is not None else si, out, si, si, s, e, H, K),
+        moe_unpermute_kernel, (T, triton.cdiv(H, block_h)), x.device,
+        (x, si, probs_c, out, si, si, s, e, H, K),
         num_warps, HAS_PROBS=probs is not None, GATHER_PG=False, ACC=_acc(x, probs),
-        BLOCK_K=block_k, BLOCK_H=block_h,
+        BLOCK_K=block_k, BLOCK_J=block_j, BLOCK_H=block_h,
     )
     return out
 
@@ -110,12 +116,12 @@ def unpermute_grad(grad, sorted_indices, permuted_tokens, probs, K, s, e):
     si = sorted_indices.contiguous()
     x = g if permuted_tokens is None else permuted_tokens.contiguous()
     probs_c = si if probs is None else probs.contiguous()
-    block_k, block_h, num_warps = _tile("unpermute_grad", H, K, g.element_size(), True)
+    block_k, block_j, block_h, num_warps = _tile("unpermute_grad", H, K, T * K, R, g.element_size(), True)
     _launch(
-        moe_unpermute_grad_kernel, T, g.device,
+        moe_unpermute_grad_kernel, (T,), g.device,
         (g, si, x, probs_c, ptg, ptg if pg is None else pg, s, e, H, K),
         num_warps, HAS_PROBS=probs is not None, ACC=_acc(g, permuted_tokens, probs),
-        BLOCK_K=block_k, BLOCK_H=block_h,
+        BLOCK_K=block_k, BLOCK_J=block_j, BLOCK_H=block_h,
     )
     return ptg, pg
 
@@ -135,11 +141,12 @@ def permute_grad(ptg, sorted_indices, permuted_probs_grad, K, s, e):
         return tg, pg
     x = ptg.contiguous()
     si = sorted_indices.contiguous()
-    block_k, block_h, num_warps = _tile("permute_grad", max(H, 1), K, x.element_size(), False)
+    Hc = max(H, 1)
+    block_k, block_j, block_h, num_warps = _tile("permute_grad", Hc, K, T * K, R, x.element_size(), False)
     _launch(
-        moe_unpermute_kernel, T, x.device,
+        moe_unpermute_kernel, (T, triton.cdiv(Hc, block_h)), x.device,
         (x, si, si, tg, si if ppg is None else ppg.contiguous(), tg if pg is None else pg, s, e, H, K),
         num_warps, HAS_PROBS=False, GATHER_PG=ppg is not None, ACC=_acc(x),
-        BLOCK_K=block_k, BLOCK_H=block_h,
+        BLOCK_K=block_k, BLOCK_J=block_j, BLOCK_H=block_h,
     )
     return tg, pg
