@@ -315,3 +315,99 @@ def test_small_tiles(cfg, window, monkeypatch):
     tg_r, pg_r = ref.permute_grad(up["x"], si, a["ppg"].cpu(), K, s, e)
     testing.assert_close(tg, tg_r, dtype=torch.bfloat16, name="tokens_grad")
     assert torch.equal(pg.cpu(), pg_r)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# through the public ops with backend="triton", autograd included
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _api():
+    import sparseops
+
+    if getattr(sparseops.moe_token_unpermute_with_ep_grad, "__name__", "") == "_todo":
+        pytest.skip("the public MoE ops have not landed on this branch yet")
+    return sparseops
+
+
+API_CASES = [
+    pytest.param(7, 3, 33, None, torch.bfloat16, torch.float32, id="T7-K3-H33-full-bf16-f32"),
+    pytest.param(7, 8, 100, [40, 56], torch.float16, torch.float16, id="T7-K8-H100-tail-f16"),
+    pytest.param(6, 4, 20, [-20, -12], torch.float32, torch.bfloat16, id="T6-K4-H20-negative-range-f32-bf16"),
+    pytest.param(5, 3, 33, [6, 6], torch.float32, torch.float32, id="T5-K3-H33-empty-window"),
+]
+
+
+@pytest.mark.parametrize("T, K, H, rng, dtype, probs_dtype", API_CASES)
+def test_api_permute_unpermute_autograd(T, K, H, rng, dtype, probs_dtype):
+    so = _api()
+    d = testing.make_moe_inputs(T, K, H, dtype=dtype, probs_dtype=probs_dtype, seed=11)
+    tokens, indices, probs = (d[k].to(DEVICE) for k in ("tokens", "indices", "probs"))
+
+    # permute: exact, and its backward (permute_grad) against the float64 reference backend
+    tok = tokens.clone().requires_grad_()
+    pr = probs.clone().requires_grad_()
+    pt, si, pp = so.moe_token_permute_with_ep(tok, indices, pr, range=rng, backend="triton")
+    pt_r, si_r, pp_r = so.moe_token_permute_with_ep(tokens.cpu(), indices.cpu(), probs.cpu(), range=rng,
+                                                     backend="reference")
+    assert torch.equal(si.cpu(), si_r) and torch.equal(pt.detach().cpu(), pt_r) and torch.equal(pp.detach().cpu(), pp_r)
+    g = torch.Generator().manual_seed(12)
+    g_pt = torch.randn(pt.shape, generator=g, dtype=F64)
+    g_pp = torch.randn(pp.shape, generator=g, dtype=F64)
+    torch.autograd.backward([pt, pp], [g_pt.to(dtype).to(DEVICE), g_pp.to(probs_dtype).to(DEVICE)])
+    tok64 = _up(tokens).cpu().requires_grad_()
+    pr64 = _up(probs).cpu().requires_grad_()
+    pt64, _, pp64 = so.moe_token_permute_with_ep(tok64, indices.cpu(), pr64, range=rng, backend="reference")
+    torch.autograd.backward([pt64, pp64], [_up(g_pt.to(dtype)), _up(g_pp.to(probs_dtype))])
+    testing.assert_close(tok.grad, tok64.grad, dtype=dtype, name="tokens.grad")
+    testing.assert_close(pr.grad, pr64.grad, dtype=probs_dtype, name="probs.grad (permute)")
+
+    # unpermute: forward and backward (the seed op) against the float64 reference backend
+    x = pt.detach().clone().requires_grad_()
+    pr = probs.clone().requires_grad_()
+    out = so.moe_token_unpermute_with_ep(x, si, pr, topk_num=K, range=rng, backend="triton")
+    x64 = _up(x.detach()).cpu().requires_grad_()
+    pr64 = _up(probs).cpu().requires_grad_()
+    out64 = so.moe_token_unpermute_with_ep(x64, si.cpu(), pr64, topk_num=K, range=rng, backend="reference")
+    testing.assert_close(out, out64, dtype=dtype, name="unpermuted_tokens")
+    g_out = torch.randn(out.shape, generator=g, dtype=F64).to(dtype)
+    out.backward(g_out.to(DEVICE))
+    out64.backward(_up(g_out))
+    testing.assert_close(x.grad, x64.grad, dtype=dtype, name="permuted_tokens.grad")
+    testing.assert_close(pr.grad, pr64.grad, dtype=probs_dtype, name="probs.grad (unpermute)")
+
+
+@pytest.mark.parametrize("T, K, H, rng, dtype, probs_dtype", API_CASES)
+def test_api_grad_ops(T, K, H, rng, dtype, probs_dtype):
+    so = _api()
+    d = testing.make_moe_inputs(T, K, H, dtype=dtype, probs_dtype=probs_dtype, seed=13)
+    si = ref.sorted_indices_from(d["indices"]).to(DEVICE)
+    s, e = triton_impl_window(rng, T * K)
+    g = torch.Generator().manual_seed(14)
+    x = torch.randn(e - s, H, generator=g, dtype=F64).to(dtype)
+    grad = torch.randn(T, H, generator=g, dtype=F64).to(dtype)
+    ppg = torch.randn(e - s, generator=g, dtype=F64).to(probs_dtype)
+    probs = d["probs"]
+    ptg, pg = so.moe_token_unpermute_with_ep_grad(grad.to(DEVICE), si, x.to(DEVICE), probs.to(DEVICE), range=rng,
+                                                  backend="triton")
+    ptg_r, pg_r = so.moe_token_unpermute_with_ep_grad(_up(grad), si.cpu(), _up(x), _up(probs), range=rng,
+                                                      backend="reference")
+    testing.assert_close(ptg, ptg_r, dtype=dtype, name="permuted_tokens_grad")
+    testing.assert_close(pg, pg_r, dtype=probs_dtype, name="probs_grad")
+    ptg, pg = so.moe_token_unpermute_with_ep_grad(grad.to(DEVICE), si, range=rng, topk_num=K, backend="triton")
+    assert pg is None
+    assert torch.equal(ptg.cpu(), so.moe_token_unpermute_with_ep_grad(grad, si.cpu(), range=rng, topk_num=K,
+                                                                        backend="reference")[0])
+    tg, pg = so.moe_token_permute_with_ep_grad(x.to(DEVICE), si, ppg.to(DEVICE), topk_num=K, range=rng,
+                                               backend="triton")
+    tg_r, pg_r = so.moe_token_permute_with_ep_grad(_up(x), si.cpu(), ppg, topk_num=K, range=rng, backend="reference")
+    testing.assert_close(tg, tg_r, dtype=dtype, name="tokens_grad")
+    assert torch.equal(pg.cpu(), pg_r)
+
+
+def triton_impl_window(rng, N):
+    """spec/moe.md §2 for a given two-int range (negative + N, clamp to [0, N]); None is the full window."""
+    if rng is None:
+        return 0, N
+    s, e = (v + N if v < 0 else v for v in rng)
+    return min(max(s, 0), N), min(max(e, 0), N)
