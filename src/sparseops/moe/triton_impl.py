@@ -28,23 +28,26 @@ def _acc(*ts) -> tl.dtype:
 
 
 def _tile(name: str, H: int, K: int, N: int, R: int, elem: int, slot_tile: bool) -> tuple[int, int, int, int]:
-    """``(BLOCK_K, BLOCK_J, BLOCK_H, num_warps)``.
+    """``(BLOCK_K, BLOCK_J, BLOCK_H, num_warps)``: ``BLOCK_K`` slots are ranked at once, ``BLOCK_J`` live ones move
+    together.
 
-    ``BLOCK_K`` slots are ranked at once; ``BLOCK_J`` live slots move together, sized to the expected live slots
-    per token ``K * R / N`` (8 on a full window with K = 8, 2 on a quarter EP window). ``slot_tile``: the kernel
-    holds a ``[BLOCK_J, BLOCK_H]`` tile (at most 16 KiB); else one ``[BLOCK_H]`` row (at most 4 KiB) per unrolled
-    live slot. Tuned on an H200 at T=16384, H=7168, K=8, bf16 (benchmarks/gpu_moe.py --tune)."""
+    Chosen from an H200 sweep at T=16384, H=7168, K=8, bf16 (``benchmarks/gpu_moe.py --tune``; docs/moe_triton.md):
+    slot-tile kernels (``unpermute_grad``, ``permute``) hold a ``[BLOCK_J, BLOCK_H]`` tile of at most 32 KiB with
+    ``BLOCK_J`` the expected live slots per token ``K * R / N`` capped at 4 (``[4, 4096]`` on a full window,
+    ``[2, 4096]`` on a quarter one); row kernels (``unpermute``, ``permute_grad``) move one live row of at most
+    8 KiB at a time (``BLOCK_J = 1``), which beat unrolling 2..8 rows on both windows."""
     if name in _override:
         return _override[name]
     block_k = min(triton.next_power_of_2(K), 32)
-    live = max(1, round(K * R / max(1, N)))
-    block_j = min(block_k, 8, triton.next_power_of_2(live))
     if slot_tile:
-        block_h = min(triton.next_power_of_2(H), (16384 // elem) // block_j, 4096)
+        live = max(1, round(K * R / max(1, N)))
+        block_j = min(block_k, 4, triton.next_power_of_2(live))
+        block_h = min(triton.next_power_of_2(H), (32768 // elem) // block_j, 4096)
         tile_bytes = block_j * block_h * elem
     else:
-        block_h = min(triton.next_power_of_2(H), 4096 // elem)
-        tile_bytes = 4 * block_h * elem
+        block_j = 1
+        block_h = min(triton.next_power_of_2(H), 8192 // elem)
+        tile_bytes = 2 * block_h * elem
     num_warps = max(1, min(4, tile_bytes // 4096))
     return block_k, block_j, block_h, num_warps
 
