@@ -299,7 +299,7 @@ def te_backward(moe_unpermute, a):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def tune(device, log) -> dict:
+def tune(device, log, ops=OPS) -> dict:
     """Sweep (BLOCK_K, BLOCK_J, BLOCK_H, num_warps) of the two kernel shapes at T=16384, H=7168, K=8, bf16, full and
     quarter window, and report the best next to the built-in choice. Reports only: the sweep that follows runs
     the built-in choice, as users get it."""
@@ -307,7 +307,10 @@ def tune(device, log) -> dict:
         "unpermute_grad": [(8, bj, bh, 4) for bj in (1, 2, 4, 8) for bh in (512, 1024, 2048, 4096) if bj * bh <= 16384]
         + [(8, 8, 1024, 8), (8, 2, 4096, 8)],
         "unpermute": [(8, bj, bh, 4) for bj in (1, 2, 4, 8) for bh in (1024, 2048, 4096)] + [(8, 8, 2048, 8)],
+        "permute": [(8, bj, bh, 4) for bj in (2, 4, 8) for bh in (1024, 2048, 4096) if bj * bh <= 16384],
+        "permute_grad": [(8, bj, bh, w) for bj in (1, 2) for bh in (1024, 2048, 4096) for w in (4, 8)],
     }
+    grids = {op: grid for op, grid in grids.items() if op in ops}
     best = {}
     for window in ("full", "quarter"):
         a = make_inputs(16384, 7168, 8, 64, window, torch.bfloat16, torch.float32, device)
@@ -342,6 +345,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="only T=16384, H=7168")
     ap.add_argument("--tune", action="store_true", help="sweep launch configs first and report the best")
+    ap.add_argument("--tune-ops", default=",".join(OPS), help="comma-separated ops to --tune (default: all four)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     ap.add_argument("--torch-max-T", type=int, default=16384,
                     help="time the torch backend only up to this T (its chunked loop is slow on GPUs)")
@@ -382,7 +386,7 @@ def main(argv=None) -> int:
     check_small(device)
     log("correctness: all four ops match the float64 reference on small shapes (bf16/f16/f32, 3 windows)")
 
-    tuned = tune(device, log) if args.tune and device == "cuda" else {}
+    tuned = tune(device, log, args.tune_ops.split(",")) if args.tune and device == "cuda" else {}
 
     rows = []
     for T in Ts:
