@@ -17,7 +17,6 @@ Choices where the spec is silent (see docs/moe.md "Choices"):
   traced by ``torch.compile``; shape / dtype checks always run.
 """
 
-from typing import Optional
 
 import torch
 
@@ -286,7 +285,7 @@ def _backend_module(name: str):
     return mod
 
 
-def _none_to_empty(t: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+def _none_to_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(0) if t is None else t
 
 
@@ -299,7 +298,7 @@ def _fresh(out: torch.Tensor, *inputs) -> torch.Tensor:
 
 
 @torch.library.custom_op("sparseops::moe_permute", mutates_args=())
-def _permute_op(tokens: torch.Tensor, sorted_indices: torch.Tensor, probs: Optional[torch.Tensor], K: int, s: int,
+def _permute_op(tokens: torch.Tensor, sorted_indices: torch.Tensor, probs: torch.Tensor | None, K: int, s: int,
                 e: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     out, pprobs = _backend_module(backend).permute(tokens, sorted_indices, probs, K, s, e)
     return _fresh(out, tokens), _none_to_empty(_fresh(pprobs, probs) if pprobs is not None else None, tokens)
@@ -312,7 +311,7 @@ def _(tokens, sorted_indices, probs, K, s, e, backend):
 
 
 @torch.library.custom_op("sparseops::moe_unpermute", mutates_args=())
-def _unpermute_op(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, probs: Optional[torch.Tensor], K: int,
+def _unpermute_op(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, probs: torch.Tensor | None, K: int,
                   s: int, e: int, backend: str) -> torch.Tensor:
     out = _backend_module(backend).unpermute(permuted_tokens, sorted_indices, probs, K, s, e)
     return _fresh(out, permuted_tokens)
@@ -324,8 +323,8 @@ def _(permuted_tokens, sorted_indices, probs, K, s, e, backend):
 
 
 @torch.library.custom_op("sparseops::moe_unpermute_grad", mutates_args=())
-def _unpermute_grad_op(grad: torch.Tensor, sorted_indices: torch.Tensor, permuted_tokens: Optional[torch.Tensor],
-                       probs: Optional[torch.Tensor], K: int, s: int, e: int,
+def _unpermute_grad_op(grad: torch.Tensor, sorted_indices: torch.Tensor, permuted_tokens: torch.Tensor | None,
+                       probs: torch.Tensor | None, K: int, s: int, e: int,
                        backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     ptg, pg = _backend_module(backend).unpermute_grad(grad, sorted_indices, permuted_tokens, probs, K, s, e)
     return _fresh(ptg, grad), _none_to_empty(pg, grad)
@@ -339,7 +338,7 @@ def _(grad, sorted_indices, permuted_tokens, probs, K, s, e, backend):
 
 @torch.library.custom_op("sparseops::moe_permute_grad", mutates_args=())
 def _permute_grad_op(permuted_tokens_grad: torch.Tensor, sorted_indices: torch.Tensor,
-                     permuted_probs_grad: Optional[torch.Tensor], K: int, s: int, e: int,
+                     permuted_probs_grad: torch.Tensor | None, K: int, s: int, e: int,
                      backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     tg, pg = _backend_module(backend).permute_grad(permuted_tokens_grad, sorted_indices, permuted_probs_grad, K, s, e)
     return _fresh(tg, permuted_tokens_grad), _none_to_empty(pg, permuted_tokens_grad)
@@ -400,7 +399,7 @@ _unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_se
 def moe_token_permute_with_ep(
     tokens: torch.Tensor,
     indices: torch.Tensor,
-    probs: Optional[torch.Tensor] = None,
+    probs: torch.Tensor | None = None,
     range=None,
     num_out_tokens: int = 0,
     padded_mode: bool = False,
@@ -456,7 +455,7 @@ def moe_token_permute_with_ep(
 def moe_token_unpermute_with_ep(
     permuted_tokens: torch.Tensor,
     sorted_indices: torch.Tensor,
-    probs: Optional[torch.Tensor] = None,
+    probs: torch.Tensor | None = None,
     topk_num: int = 1,
     range=None,
     padded_mode: bool = False,
@@ -506,8 +505,8 @@ def moe_token_unpermute_with_ep(
 def moe_token_unpermute_with_ep_grad(
     unpermuted_tokens_grad: torch.Tensor,
     sorted_indices: torch.Tensor,
-    permuted_tokens: Optional[torch.Tensor] = None,
-    probs: Optional[torch.Tensor] = None,
+    permuted_tokens: torch.Tensor | None = None,
+    probs: torch.Tensor | None = None,
     padded_mode: bool = False,
     restore_shape=None,
     range=None,
@@ -559,7 +558,7 @@ def moe_token_unpermute_with_ep_grad(
 def moe_token_permute_with_ep_grad(
     permuted_tokens_grad: torch.Tensor,
     sorted_indices: torch.Tensor,
-    permuted_probs_grad: Optional[torch.Tensor] = None,
+    permuted_probs_grad: torch.Tensor | None = None,
     topk_num: int = 1,
     range=None,
     padded_mode: bool = False,

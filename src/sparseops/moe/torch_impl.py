@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 #: bytes of one chunk's gathered rows; small enough to stay in a core's L2 cache
-_CHUNK_BYTES = 1 << 19
+_CHUNK_BYTES = 1 << 20
 
 
 def _acc_dtype(*ts) -> torch.dtype:
@@ -124,17 +124,23 @@ def unpermute_grad(grad, sorted_indices, permuted_tokens, probs, K, s, e):
     else:
         scale = row_probs.to(acc_dtype)  # mixed dtypes: multiply in fp32, round once into ptg
     dots = torch.empty(R, dtype=acc_dtype, device=grad.device)
-    upcast = grad.dtype != acc_dtype or permuted_tokens.dtype != acc_dtype
     step = _chunk_rows(H, 4 if acc_dtype == torch.float32 else 8)
-    for r0 in range(0, R, step):
-        r1 = min(R, r0 + step)
-        g = ptg[r0:r1]
-        torch.index_select(grad, 0, tok[r0:r1], out=g)
-        a, b = permuted_tokens[r0:r1], g
-        if upcast:
-            a, b = a.to(acc_dtype), b.to(acc_dtype)
-        torch.bmm(a.unsqueeze(1), b.unsqueeze(2), out=dots[r0:r1].view(-1, 1, 1))
-        g.mul_(scale[r0:r1, None])
+    if grad.dtype == acc_dtype and permuted_tokens.dtype == acc_dtype:
+        for r0 in range(0, R, step):
+            r1 = min(R, r0 + step)
+            g = ptg[r0:r1]
+            torch.index_select(grad, 0, tok[r0:r1], out=g)  # grad rows land in the output, then scale in place
+            torch.linalg.vecdot(permuted_tokens[r0:r1], g, out=dots[r0:r1])
+            g.mul_(scale[r0:r1, None])
+    else:  # fp16 / bf16: gather from an fp32 copy of grad so that products and dots are fp32
+        grad_acc = grad.to(acc_dtype)
+        g = torch.empty(step, H, dtype=acc_dtype, device=grad.device)
+        for r0 in range(0, R, step):
+            r1 = min(R, r0 + step)
+            gc = g[: r1 - r0]
+            torch.index_select(grad_acc, 0, tok[r0:r1], out=gc)
+            torch.linalg.vecdot(permuted_tokens[r0:r1].to(acc_dtype), gc, out=dots[r0:r1])
+            ptg[r0:r1].copy_(gc.mul_(scale[r0:r1, None]))
     pg = torch.zeros(N, dtype=probs.dtype, device=grad.device)
     pg.index_copy_(0, slots, dots.to(probs.dtype))
     return ptg, pg.view(T, K)
