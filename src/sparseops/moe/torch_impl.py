@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 #: bytes of one chunk's gathered rows; small enough to stay in a core's L2 cache
-_CHUNK_BYTES = 1 << 20
+_CHUNK_BYTES = 1 << 18
 
 
 def _acc_dtype(*ts) -> torch.dtype:
