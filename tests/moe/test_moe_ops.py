@@ -10,7 +10,7 @@ from sparseops import (
     moe_token_unpermute_with_ep,
     moe_token_unpermute_with_ep_grad,
 )
-from sparseops.testing import assert_close, make_moe_inputs
+from sparseops.testing import assert_close, make_moe_inputs, poison_
 
 F64 = torch.float64
 
@@ -275,3 +275,41 @@ def test_non_contiguous_inputs():
                                          backend="reference")
     for x, y in zip(a, b):
         assert_close(x, y, F64)
+
+
+class _PoisonedTorch:
+    """``torch`` with ``empty`` / ``empty_like`` returning NaN-filled (ints: -1) tensors."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        return poison_(torch.empty(*args, **kwargs))
+
+    @staticmethod
+    def empty_like(*args, **kwargs):
+        return poison_(torch.empty_like(*args, **kwargs))
+
+
+@pytest.mark.parametrize("rng", [pytest.param(None, id="full"), pytest.param([3, 100], id="partial"),
+                                 pytest.param([50, 50], id="empty")])
+@pytest.mark.parametrize("dtype", [pytest.param(F64, id="float64"), pytest.param(torch.bfloat16, id="bfloat16")])
+def test_poisoned_buffers_are_fully_written(monkeypatch, rng, dtype):
+    """Every buffer torch_impl allocates without initialising starts as NaN: an element that no code path
+    writes shows up as NaN in the outputs."""
+    from sparseops.moe import torch_impl
+
+    monkeypatch.setattr(torch_impl, "torch", _PoisonedTorch())
+    monkeypatch.setattr(torch_impl, "_CHUNK_BYTES", 64)  # many chunks, ragged tail
+    d = _inputs(40, 3, 5, dtype=dtype)
+    ex = _extra(40, 3, 5, dtype=dtype)
+    got = _chain("torch", d, rng, 0, True, ex)
+    up = {k: (v.to(F64) if v.is_floating_point() else v) for k, v in d.items()}
+    want = _chain("reference", up, rng, 0, True, {k: v.to(F64) for k, v in ex.items()})
+    for name in want:
+        if name == "sorted_indices":
+            assert torch.equal(got[name], want[name])
+            continue
+        assert not torch.isnan(got[name]).any(), name
+        assert_close(got[name], want[name], got[name].dtype, name=name)

@@ -47,7 +47,7 @@ def _row_slots(sorted_indices: torch.Tensor, s: int, e: int) -> torch.Tensor:
 
 def _token_rows(sorted_indices: torch.Tensor, K: int, s: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``([T, K]`` local row of each slot, clamped to 0 when invalid, ``[T, K]`` bool validity mask)."""
-    rows = sorted_indices.view(-1, K).long() - s
+    rows = sorted_indices.reshape(-1, K).long() - s
     valid = (rows >= 0) & (rows < e - s)
     return rows.masked_fill(~valid, 0), valid
 
@@ -132,15 +132,18 @@ def unpermute_grad(grad, sorted_indices, permuted_tokens, probs, K, s, e):
             torch.index_select(grad, 0, tok[r0:r1], out=g)  # grad rows land in the output, then scale in place
             torch.linalg.vecdot(permuted_tokens[r0:r1], g, out=dots[r0:r1])
             g.mul_(scale[r0:r1, None])
-    else:  # fp16 / bf16: gather from an fp32 copy of grad so that products and dots are fp32
-        grad_acc = grad.to(acc_dtype)
-        g = torch.empty(step, H, dtype=acc_dtype, device=grad.device)
+    else:  # fp16 / bf16: rows gathered in their dtype, dots from fp32 copies held in two cache-sized buffers
+        a = torch.empty(step, H, dtype=acc_dtype, device=grad.device)
+        b = torch.empty(step, H, dtype=acc_dtype, device=grad.device)
         for r0 in range(0, R, step):
             r1 = min(R, r0 + step)
-            gc = g[: r1 - r0]
-            torch.index_select(grad_acc, 0, tok[r0:r1], out=gc)
-            torch.linalg.vecdot(permuted_tokens[r0:r1].to(acc_dtype), gc, out=dots[r0:r1])
-            ptg[r0:r1].copy_(gc.mul_(scale[r0:r1, None]))
+            g = ptg[r0:r1]
+            torch.index_select(grad, 0, tok[r0:r1], out=g)
+            ac, bc = a[: r1 - r0], b[: r1 - r0]
+            ac.copy_(permuted_tokens[r0:r1])
+            bc.copy_(g)
+            torch.linalg.vecdot(ac, bc, out=dots[r0:r1])
+            g.mul_(scale[r0:r1, None])  # computed in fp32, rounded once
     pg = torch.zeros(N, dtype=probs.dtype, device=grad.device)
     pg.index_copy_(0, slots, dots.to(probs.dtype))
     return ptg, pg.view(T, K)
