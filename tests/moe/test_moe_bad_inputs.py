@@ -198,3 +198,16 @@ def test_empty_tokens_are_legal():
     assert ptg.shape == (0, H) and pg.shape == (0, K)
     tg, pg2 = moe_token_permute_with_ep_grad(pt, si, pp, K, backend="torch")
     assert tg.shape == (0, H) and pg2.shape == (0, K)
+
+
+def test_auto_falls_back_to_torch_when_the_triton_module_is_missing(monkeypatch):
+    from sparseops import _checks
+    from sparseops.moe import api
+
+    monkeypatch.setitem(sys.modules, "sparseops.moe.triton_impl", None)
+    monkeypatch.setattr(api, "_BACKEND_MODULES", {k: v for k, v in api._BACKEND_MODULES.items() if k != "triton"})
+    monkeypatch.setattr(_checks, "resolve_backend", lambda backend, device: "triton" if backend == "auto" else backend)
+    d = _good()
+    assert api._check_backend("auto", d["grad"]) == "torch"
+    with pytest.raises(ValueError, match="backend: 'triton'"):
+        api._check_backend("triton", d["grad"])
