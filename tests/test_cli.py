@@ -17,12 +17,16 @@ from sparseops import cli, testing
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _ops_merged() -> bool:
+def _merged(family: str) -> bool:
     """The public ops start as placeholders (``_todo``) until the op branches land on main."""
-    return all(getattr(sparseops, n).__name__ != "_todo" for n in sparseops.__all__ if n.startswith(("moe_", "nsa_")))
+    return all(getattr(sparseops, n).__name__ != "_todo" for n in sparseops.__all__ if n.startswith(family + "_"))
 
 
-needs_ops = pytest.mark.skipif(not _ops_merged(), reason="public MoE/NSA ops are still placeholders (not merged yet)")
+MERGED = [f for f in ("moe", "nsa") if _merged(f)]
+
+
+def _needs(family: str):
+    return pytest.mark.skipif(not _merged(family), reason=f"public {family} ops are still placeholders (not merged yet)")
 
 
 def _run_module(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -90,16 +94,18 @@ def test_python_dash_m_is_the_same_command():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@needs_ops
+@pytest.mark.skipif(not MERGED, reason="public MoE/NSA ops are still placeholders (not merged yet)")
 def test_check_tiny_passes(capsys):
-    rc = cli.main(["check", "--tiny", "--backend", "torch", "--seed", "3"])
+    op = "all" if len(MERGED) == 2 else MERGED[0]
+    rc = cli.main(["check", "--tiny", "--backend", "torch", "--seed", "3", "--op", op])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "FAIL" not in out
-    for op in sparseops.__all__:
-        if op.startswith(("moe_", "nsa_")):
-            assert op in out
-    for case in ("ep-partial", "ep-empty", "varlen-causal-gqa"):
+    for name in sparseops.__all__:
+        if name.startswith(tuple(f + "_" for f in MERGED)):
+            assert name in out
+    cases = {"moe": ("ep-partial", "ep-empty", "capacity"), "nsa": ("varlen-causal-gqa", "noncausal-dup")}
+    for case in (c for f in MERGED for c in cases[f]):
         assert case in out
     for dt in ("fp32", "fp16", "bf16"):
         assert f"  {dt}  " in out
@@ -121,12 +127,11 @@ def _perturbing(fn, index: int | None):
     return wrapper
 
 
-@needs_ops
 @pytest.mark.parametrize(
     "name, index, family",
     [
-        ("moe_token_unpermute_with_ep_grad", 1, "moe"),  # the seed op's probs_grad off by 1 %
-        ("nsa_selected_attention_grad", 2, "nsa"),  # the seed op's dv off by 1 %
+        pytest.param("moe_token_unpermute_with_ep_grad", 1, "moe", marks=_needs("moe")),  # probs_grad off by 1 %
+        pytest.param("nsa_selected_attention_grad", 2, "nsa", marks=_needs("nsa")),  # dv off by 1 %
     ],
 )
 def test_check_fails_when_an_op_is_wrong(monkeypatch, capsys, name, index, family):
@@ -278,7 +283,7 @@ def test_bench_runs_a_benchmark_script(tmp_path, monkeypatch, capsys, fail):
     not (REPO / "benchmarks" / "moe.py").is_file(),
     reason="benchmarks/moe.py not in this checkout yet (branch `bench` not merged)",
 )
-@needs_ops
+@_needs("moe")
 def test_bench_moe_smoke(tmp_path, capsys):
     rc = cli.main(["bench", "--op", "moe", "--smoke", "--out", str(tmp_path)])
     out = capsys.readouterr().out
