@@ -1,0 +1,352 @@
+"""NSA selected attention on the GPU: Triton forward / backward (atomic and deterministic) vs a bf16 matmul.
+
+    python benchmarks/gpu_nsa.py              # full run (T = 8K, 32K, 64K at G = 16; G = 1, 4 at 32K)
+    python benchmarks/gpu_nsa.py --quick      # T = 8K and 32K only
+    python benchmarks/gpu_nsa.py --cpu-smoke  # correctness part + table code under TRITON_INTERPRET=1, tiny
+
+First checks correctness (Triton vs the float64 reference on a tiny shape, and vs a dense fp32 gather
+implementation with autograd on a moderate shape; aborts if wrong), then times each op with
+``triton.testing.do_bench`` (median) and reports TFLOP/s on *visible-key* FLOPs:
+forward ``2 * (Dqk + Dv) * G * visible (token, key) pairs``, backward 2.5x that, and the ratio to a
+bf16 matmul measured in the same run. fla-core's ``parallel_nsa`` is timed when installed (it needs G a
+power of two >= 16). Results: a table on stdout and JSON at ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+if __name__ == "__main__" and "--cpu-smoke" in sys.argv:
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from sparseops import testing  # noqa: E402
+from sparseops._varlen import seq_lengths, token_seq_positions  # noqa: E402
+from sparseops.nsa import reference, triton_impl  # noqa: E402
+
+PAPER = dict(N2=4, G=16, Dqk=192, Dv=128, bs=64, K=16)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# inputs and counts
+# ------------------------------------------------------------------------------------------------------------
+
+
+def make_inputs(seqlens, *, N2, G, Dqk, Dv, bs, K, dtype, device, causal=True, seed=0):
+    """Random q/k/v made on the device; block ids drawn on the device (distinct, causal-allowed, -1 if none)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    T = sum(seqlens)
+    q = torch.randn(T, N2 * G, Dqk, generator=g, device=device, dtype=torch.float32).to(dtype)
+    k = torch.randn(T, N2, Dqk, generator=g, device=device, dtype=torch.float32).to(dtype)
+    v = torch.randn(T, N2, Dv, generator=g, device=device, dtype=torch.float32).to(dtype)
+    parts = []
+    for S in seqlens:
+        nblk = max(1, -(-S // bs))
+        for c0 in range(0, S, 8192):
+            c1 = min(S, c0 + 8192)
+            pos = torch.arange(c0, c1, device=device)
+            scores = torch.rand(c1 - c0, N2, nblk, generator=g, device=device)
+            allowed = (torch.arange(nblk, device=device) * bs < S)[None, :].expand(c1 - c0, nblk)
+            if causal:
+                allowed = allowed & (torch.arange(nblk, device=device)[None, :] * bs <= pos[:, None])
+            scores = scores.masked_fill(~allowed[:, None, :], -1.0)
+            kk = min(K, nblk)
+            val, idx = scores.topk(kk, dim=-1)
+            idx = torch.where(val >= 0, idx, torch.full_like(idx, -1))
+            if kk < K:
+                idx = torch.cat([idx, idx.new_full((c1 - c0, N2, K - kk), -1)], dim=-1)
+            parts.append(idx)
+    topk = torch.cat(parts).to(torch.int32)
+    cu = [0]
+    for S in seqlens:
+        cu.append(cu[-1] + S)
+    return q, k, v, topk, cu
+
+
+def visible_pairs(topk, bs, cu_q, cu_kv, causal):
+    """Number of visible (query token, KV head, key) triples, counting duplicates (spec §2)."""
+    dev = topk.device
+    seq_id, pos = token_seq_positions(cu_q, device=dev)
+    s2 = torch.tensor(seq_lengths(cu_kv), dtype=torch.int64, device=dev)[seq_id]
+    lim = torch.minimum(s2, pos + 1) if causal else s2
+    start = topk.to(torch.int64) * bs
+    n = torch.clamp(lim[:, None, None] - start, min=0, max=bs)
+    return int(torch.where(topk >= 0, n, torch.zeros_like(n)).sum())
+
+
+def dense_gather(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
+    """Vectorized fp32 NSA forward by gathering the K*bs keys of every (token, KV head); autograd gives grads."""
+    T1, N1, Dqk = q.shape
+    N2, Dv = k.shape[1], v.shape[2]
+    G, K = N1 // N2, topk.shape[2]
+    dev = q.device
+    seq_id, pos = token_seq_positions(cu_q, device=dev)
+    kv0 = torch.tensor(cu_kv[:-1], dtype=torch.int64, device=dev)[seq_id]
+    s2 = torch.tensor(seq_lengths(cu_kv), dtype=torch.int64, device=dev)[seq_id]
+    idx = topk.to(torch.int64)
+    p = (idx[..., None] * bs + torch.arange(bs, device=dev)).reshape(T1, N2, K * bs)  # [T1, N2, K*bs]
+    vis = (idx[..., None] >= 0).expand(T1, N2, K, bs).reshape(T1, N2, K * bs) & (p < s2[:, None, None])
+    if causal:
+        vis = vis & (p <= pos[:, None, None])
+    rows = torch.where(vis, kv0[:, None, None] + p, torch.zeros_like(p))
+    heads = torch.arange(N2, device=dev)[None, :, None]
+    kg = k.float()[rows, heads]  # [T1, N2, K*bs, Dqk]
+    vg = v.float()[rows, heads]
+    s = torch.einsum("tngd,tnkd->tngk", q.float().view(T1, N2, G, Dqk), kg) * scale
+    s = s.masked_fill(~vis[:, :, None, :], float("-inf"))
+    mx = s.amax(-1, keepdim=True)
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+    e = torch.exp(s - mx)
+    den = e.sum(-1, keepdim=True)
+    w = e / torch.where(den > 0, den, torch.ones_like(den))
+    return torch.einsum("tngk,tnkd->tngd", w, vg).reshape(T1, N1, Dv)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# correctness gate
+# ------------------------------------------------------------------------------------------------------------
+
+
+def check_reference(device):
+    """Tiny shape, fp32 inputs, against the float64 reference: forward and all gradients, both dK/dV paths."""
+    a = testing.make_nsa_inputs([7, 21], [30, 40], N1=4, N2=2, Dqk=48, Dv=32, bs=16, K=3, empty_frac=0.2,
+                                duplicates=True, device=device)
+    q, k, v, topk = a["query"], a["key"], a["value"], a["topk_indices"]
+    cu_q = [0] + a["actual_seq_qlen"]
+    cu_kv = [0] + a["actual_seq_kvlen"]
+    sc, bs = a["scale_value"], a["selected_block_size"]
+    out, m, l = triton_impl.forward(q, k, v, topk, sc, bs, cu_q, cu_kv, True)
+    r = reference.forward(q.double(), k.double(), v.double(), topk, sc, bs, cu_q, cu_kv, True)
+    testing.assert_close(out, r[0], torch.float32, "out (tiny)")
+    dout = torch.randn_like(out)
+    rg = reference.backward(q.double(), k.double(), v.double(), r[0], dout.double(), r[1], r[2], topk, sc, bs,
+                            cu_q, cu_kv, True)
+    for det in (False, True):
+        gs = triton_impl.backward(q, k, v, out, dout, m, l, topk, sc, bs, cu_q, cu_kv, True, deterministic=det)
+        for name, x, y in zip(("dq", "dk", "dv"), gs, rg):
+            testing.assert_close(x, y, torch.float32, f"{name} (tiny, deterministic={det})")
+
+
+def check_dense(device, T, G, dtype, Dqk, Dv, bs, K, N2):
+    """Moderate shape in the benchmark dtype against the dense fp32 gather (inputs upcast from the same values)."""
+    q, k, v, topk, cu = make_inputs([T // 2, T - T // 2], N2=N2, G=G, Dqk=Dqk, Dv=Dv, bs=bs, K=K, dtype=dtype,
+                                    device=device, seed=1)
+    sc = 1.0 / math.sqrt(Dqk)
+    out, m, l = triton_impl.forward(q, k, v, topk, sc, bs, cu, cu, True)
+    leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+    ref = dense_gather(*leaves, topk, sc, bs, cu, cu, True)
+    testing.assert_close(out, ref, dtype, f"out (T={T}, G={G})")
+    dout = torch.randn_like(out)
+    ref.backward(dout.float())
+    gs = triton_impl.backward(q, k, v, out, dout, m, l, topk, sc, bs, cu, cu, True, deterministic=False)
+    gd = triton_impl.backward(q, k, v, out, dout, m, l, topk, sc, bs, cu, cu, True, deterministic=True)
+    gd2 = triton_impl.backward(q, k, v, out, dout, m, l, topk, sc, bs, cu, cu, True, deterministic=True)
+    for name, x, y, z, w in zip(("dq", "dk", "dv"), gs, gd, gd2, leaves):
+        testing.assert_close(x, w.grad, dtype, f"{name} (T={T}, G={G})")
+        testing.assert_close(y, w.grad, dtype, f"{name} deterministic (T={T}, G={G})")
+        if not torch.equal(y, z):
+            raise AssertionError(f"{name}: deterministic backward differs between two calls")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# timing
+# ------------------------------------------------------------------------------------------------------------
+
+
+def bench(fn, smoke):
+    if smoke:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def matmul_tflops(device, smoke):
+    n = 256 if smoke else 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16 if not smoke else torch.float32)
+    b = torch.randn(n, n, device=device, dtype=a.dtype)
+    ms = bench(lambda: a @ b, smoke)
+    return 2 * n**3 / ms / 1e9
+
+
+def fla_runner(q, k, v, topk, bs, cu, scale):
+    """fla-core's parallel_nsa forward+backward closures, or a string saying why it cannot run."""
+    try:
+        from fla.ops.nsa import parallel_nsa  # type: ignore
+    except Exception as e:  # noqa: BLE001
+        return f"not installed ({type(e).__name__})"
+    N1, N2 = q.shape[1], k.shape[1]
+    G = N1 // N2
+    if G < 16 or G & (G - 1):
+        return f"cannot run: fla needs G a power of two >= 16, got {G}"
+    T1 = q.shape[0]
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=q.device)
+    qq, kk, vv = (t.detach()[None].requires_grad_(True) for t in (q, k, v))
+    bi = topk.to(torch.int64)[None]
+    counts = (topk >= 0).sum(-1).to(torch.int32)[None]
+
+    def fwd():
+        return parallel_nsa(q=qq, k=kk, v=vv, g_cmp=None, g_slc=torch.ones(1, T1, N1, device=q.device, dtype=q.dtype),
+                            g_swa=None, block_indices=bi, block_counts=counts, block_size=bs, scale=scale,
+                            cu_seqlens=cu_t)
+
+    try:
+        o = fwd()
+        do = torch.randn_like(o)
+        o.backward(do)
+    except Exception as e:  # noqa: BLE001
+        return f"failed: {type(e).__name__}: {str(e)[:160]}"
+    o = fwd()
+
+    def bwd():
+        for t in (qq, kk, vv):
+            t.grad = None
+        o.backward(do, retain_graph=True)
+
+    return fwd, bwd
+
+
+def run_row(device, T, G, dtype, smoke, cfg):
+    N2, Dqk, Dv, bs, K = cfg["N2"], cfg["Dqk"], cfg["Dv"], cfg["bs"], cfg["K"]
+    q, k, v, topk, cu = make_inputs([T], N2=N2, G=G, Dqk=Dqk, Dv=Dv, bs=bs, K=K, dtype=dtype, device=device)
+    sc = 1.0 / math.sqrt(Dqk)
+    vis = visible_pairs(topk, bs, cu, cu, True)
+    fwd_flop = 2.0 * (Dqk + Dv) * G * vis
+    bwd_flop = 2.5 * fwd_flop
+    out, m, l = triton_impl.forward(q, k, v, topk, sc, bs, cu, cu, True)
+    dout = torch.randn_like(out)
+    row = {"T": T, "G": G, "N2": N2, "Dqk": Dqk, "Dv": Dv, "bs": bs, "K": K, "visible_pairs": vis,
+           "fwd_flop": fwd_flop, "bwd_flop": bwd_flop}
+    row["fwd_ms"] = bench(lambda: triton_impl.forward(q, k, v, topk, sc, bs, cu, cu, True), smoke)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    row["bwd_ms"] = bench(lambda: triton_impl.backward(q, k, v, out, dout, m, l, topk, sc, bs, cu, cu, True), smoke)
+    if device == "cuda":
+        row["bwd_extra_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        torch.cuda.reset_peak_memory_stats()
+    row["bwd_det_ms"] = bench(lambda: triton_impl.backward(q, k, v, out, dout, m, l, topk, sc, bs, cu, cu, True,
+                                                           deterministic=True), smoke)
+    if device == "cuda":
+        row["bwd_det_extra_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    fla = fla_runner(q, k, v, topk, bs, cu, sc) if not smoke else "skipped (smoke)"
+    if isinstance(fla, str):
+        row["fla"] = fla
+    else:
+        row["fla"] = "ok"
+        row["fla_fwd_ms"] = bench(fla[0], smoke)
+        row["fla_bwd_ms"] = bench(fla[1], smoke)
+    return row
+
+
+def git_commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="T = 8K and 32K only")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_nsa.json"))
+    args = ap.parse_args()
+    smoke = args.cpu_smoke
+    if not smoke and not torch.cuda.is_available():
+        sys.exit("gpu_nsa.py needs a CUDA device (or --cpu-smoke)")
+    device = "cpu" if smoke else "cuda"
+    import triton
+
+    t0 = time.time()
+    print("correctness: tiny shape vs float64 reference ...", flush=True)
+    check_reference(device)
+    if smoke:
+        check_dense(device, 40, 2, torch.float32, 48, 32, 16, 2, 2)
+    else:
+        check_dense(device, 1024, 16, torch.bfloat16, **{k: PAPER[k] for k in ("Dqk", "Dv", "bs", "K", "N2")})
+        check_dense(device, 512, 1, torch.bfloat16, **{k: PAPER[k] for k in ("Dqk", "Dv", "bs", "K", "N2")})
+    print(f"correctness ok ({time.time() - t0:.1f}s)", flush=True)
+
+    mm = matmul_tflops(device, smoke)
+    print(f"bf16 matmul 8192^3: {mm:.1f} TFLOP/s", flush=True)
+    if smoke:
+        cfg = dict(N2=2, Dqk=32, Dv=16, bs=16, K=2)
+        rows_todo = [(48, 2), (48, 1)]
+        dtype = torch.float32
+    else:
+        cfg = {k: PAPER[k] for k in ("N2", "Dqk", "Dv", "bs", "K")}
+        Ts = [8192, 32768] if args.quick else [8192, 32768, 65536]
+        rows_todo = [(T, 16) for T in Ts] + [(32768 if not args.quick else 8192, g) for g in (1, 4)]
+        dtype = torch.bfloat16
+    rows = []
+    for T, G in rows_todo:
+        try:
+            r = run_row(device, T, G, dtype, smoke, cfg)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            print(f"row T={T} G={G} failed: {type(e).__name__}: {e}", flush=True)
+            rows.append({"T": T, "G": G, "error": f"{type(e).__name__}: {e}"})
+            continue
+        r["fwd_tflops"] = r["fwd_flop"] / r["fwd_ms"] / 1e9
+        r["bwd_tflops"] = r["bwd_flop"] / r["bwd_ms"] / 1e9
+        r["bwd_det_tflops"] = r["bwd_flop"] / r["bwd_det_ms"] / 1e9
+        r["fwd_pct_matmul"] = 100 * r["fwd_tflops"] / mm
+        r["bwd_pct_matmul"] = 100 * r["bwd_tflops"] / mm
+        r["det_over_default"] = r["bwd_det_ms"] / r["bwd_ms"]
+        if "fla_bwd_ms" in r:
+            r["bwd_speedup_vs_fla"] = r["fla_bwd_ms"] / r["bwd_ms"]
+        rows.append(r)
+        print(f"row T={T} G={G}: fwd {r['fwd_ms']:.3f} ms, bwd {r['bwd_ms']:.3f} ms, det {r['bwd_det_ms']:.3f} ms",
+              flush=True)
+
+    hdr = (f"{'T':>6} {'G':>3} | {'fwd ms':>8} {'TF/s':>6} {'%mm':>5} | {'bwd ms':>8} {'TF/s':>6} {'%mm':>5} | "
+           f"{'det ms':>8} {'det/def':>7} | fla")
+    print()
+    print(f"NSA selected attention, N2={cfg['N2']} Dqk={cfg['Dqk']} Dv={cfg['Dv']} bs={cfg['bs']} K={cfg['K']}, "
+          f"causal, {str(dtype).replace('torch.', '')}; matmul {mm:.1f} TFLOP/s; FLOPs on visible keys")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        if "error" in r:
+            print(f"{r['T']:>6} {r['G']:>3} | failed: {r['error'][:80]}")
+            continue
+        fla = r["fla"] if "fla_bwd_ms" not in r else (
+            f"fwd {r['fla_fwd_ms']:.3f} ms, bwd {r['fla_bwd_ms']:.3f} ms (bwd x{r['bwd_speedup_vs_fla']:.2f})")
+        print(f"{r['T']:>6} {r['G']:>3} | {r['fwd_ms']:>8.3f} {r['fwd_tflops']:>6.1f} {r['fwd_pct_matmul']:>5.1f} | "
+              f"{r['bwd_ms']:>8.3f} {r['bwd_tflops']:>6.1f} {r['bwd_pct_matmul']:>5.1f} | "
+              f"{r['bwd_det_ms']:>8.3f} {r['det_over_default']:>7.2f} | {fla}")
+
+    meta = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit(),
+        "smoke": smoke, "matmul_tflops": mm, "config": cfg, "dtype": str(dtype), "chunk": triton_impl.CHUNK,
+        "wall_s": time.time() - t0,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"\nwrote {out} ({time.time() - t0:.0f}s)")
+
+
+if __name__ == "__main__":
+    main()
