@@ -3,6 +3,7 @@
     python benchmarks/gpu_nsa.py              # full run (T = 8K, 32K, 64K at G = 16; G = 1, 4 at 32K)
     python benchmarks/gpu_nsa.py --quick      # T = 8K and 32K only
     python benchmarks/gpu_nsa.py --cpu-smoke  # correctness part + table code under TRITON_INTERPRET=1, tiny
+    python benchmarks/gpu_nsa.py --compile-check  # Hopper cubins without a GPU: registers and spills
 
 First checks correctness (Triton vs the float64 reference on a tiny shape, and vs a dense fp32 gather
 implementation with autograd on a moderate shape; aborts if wrong), then times each op with
@@ -258,6 +259,66 @@ def run_row(device, T, G, dtype, smoke, cfg):
     return row
 
 
+# ------------------------------------------------------------------------------------------------------------
+# offline compile check (no GPU needed): Hopper cubins, registers and spills
+# ------------------------------------------------------------------------------------------------------------
+
+
+def compile_check(Gs=(1, 4, 16, 32), cfg=None):
+    """Compile every kernel for sm_90 at the paper's dims without a GPU and print registers / spill stack."""
+    import shutil
+    import tempfile
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from sparseops.nsa import triton_kernels as kern
+
+    cfg = cfg or PAPER
+    N2, Dqk, Dv, BS, K = cfg["N2"], cfg["Dqk"], cfg["Dv"], cfg["bs"], cfg["K"]
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    cuobjdump = shutil.which("cuobjdump") or str(bin_dir / "cuobjdump")
+    hb = triton_impl._head_blocks(Dqk, Dv)
+    i32, i64, f32, bf = "*i32", "*i64", "*fp32", "*bf16"
+
+    def one(fn, ptrs, consts, num_warps):
+        sig = {n: ("constexpr" if n in consts else ptrs.get(n, "fp32")) for n in fn.arg_names}
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
+        src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()}, attrs=attrs)
+        c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 2})
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(c.asm["cubin"])
+            f.flush()
+            res = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        use = " ".join(w for line in res.splitlines() if "REG" in line for w in line.split() if w[:4] in ("REG:", "STAC"))
+        print(f"  {fn.__name__:<24} warps={num_warps} smem={c.metadata.shared:>6} {use}", flush=True)
+
+    for G in Gs:
+        print(f"G={G}:")
+        bg, gk = max(16, triton_impl._next_pow2(G)), triton_impl._next_pow2(G)
+        common = dict(N1=N2 * G, N2=N2, G=G, BS=BS, BLOCK_BS=triton_impl._next_pow2(BS), Dqk=Dqk, Dv=Dv,
+                      CAUSAL=True, DOT=tl.bfloat16, PREC="tf32", **hb)
+        meta = {"tok_pos": i32, "tok_kv0": i64, "tok_s2": i32, "topk": i32}
+        warps = 4 if bg <= 16 else 8
+        one(kern.nsa_fwd_kernel, {**dict.fromkeys("q k v o".split(), bf), "m_out": f32, "l_out": f32, **meta},
+            {**common, "K": K, "BLOCK_G": bg}, warps)
+        one(kern.nsa_bwd_dq_kernel, {**dict.fromkeys("q k v o do dq".split(), bf),
+                                     **dict.fromkeys("m_in l_in delta".split(), f32), **meta},
+            {**common, "K": K, "BLOCK_G": bg}, warps)
+        for det in (False, True):
+            one(kern.nsa_bwd_dkv_kernel, {**dict.fromkeys("q k v do".split(), bf),
+                                          **dict.fromkeys("m_in l_in delta dk dv ws_k ws_v".split(), f32),
+                                          "ent_tok": i32, "ch_blk": i64, "ch_e0": i64, "ch_e1": i64, "blk_row0": i64,
+                                          "blk_p0": i32, "blk_n": i32, "tok_pos": i32},
+                {**common, "BLOCK_G": gk, "BLOCK_E": max(1, triton_impl.DKV_ROWS // gk), "DETERMINISTIC": det,
+                 "USE_WHILE": False}, 8)
+    one(kern.nsa_bwd_reduce_kernel, {"ws_k": f32, "ws_v": f32, "blk_c0": i64, "blk_c1": i64, "blk_row0": i64,
+                                     "blk_n": i32, "dk": bf, "dv": bf},
+        dict(N2=N2, BS=BS, BLOCK_BS=triton_impl._next_pow2(BS), Dqk=Dqk, Dv=Dv, BLOCK_D=64), 4)
+
+
 def git_commit():
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -270,7 +331,12 @@ def main():
     ap.add_argument("--quick", action="store_true", help="T = 8K and 32K only")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_nsa.json"))
+    ap.add_argument("--compile-check", action="store_true",
+                    help="compile the kernels for sm_90 without a GPU and print registers / spills")
     args = ap.parse_args()
+    if args.compile_check:
+        compile_check()
+        return
     smoke = args.cpu_smoke
     if not smoke and not torch.cuda.is_available():
         sys.exit("gpu_nsa.py needs a CUDA device (or --cpu-smoke)")

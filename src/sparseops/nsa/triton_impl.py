@@ -4,7 +4,8 @@ Same internal signatures as ``reference.py`` (docs/internals.md). Arguments are 
 
 - ``forward``: one program per (query token, KV head); the token's G query heads are the tile rows
   (padded to 16 for ``tl.dot``); an fp32 online softmax over the K slots.
-- ``backward``: ``D = rowsum(dY * O)`` (torch), dQ query-major like the forward (no atomics), and dK/dV
+- ``backward``: dQ query-major like the forward (no atomics; it also writes
+  ``D = rowsum(dY * O)``), then dK/dV
   key-block-major over an inverse index (for each key block of each KV head, the stably sorted list of
   query tokens that selected it, built with torch ops on the device, no host sync). Each index list is
   cut into chunks of ``CHUNK`` entries (one program each, so that a block picked by every token does
@@ -184,14 +185,15 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     dout = dout.contiguous()
     m = m.to(torch.float32).contiguous()
     l = l.to(torch.float32).contiguous()
-    delta = (dout.to(torch.float32) * out.to(torch.float32)).sum(-1).contiguous()  # [T1, N1]
+    out = out.contiguous()
+    delta = torch.empty(T1, N1, dtype=torch.float32, device=dev)  # rowsum(dout * out), written by the dQ kernel
     seq_id, pos, kv0, s2 = _token_meta(cu_q, cu_kv, dev)
     heads = _head_blocks(Dqk, Dv)
     dots = _dot_args(q)
     block_bs = _next_pow2(bs)
     block_g = max(16, _next_pow2(G))
     kern.nsa_bwd_dq_kernel[(T1, N2)](
-        q, k, v, dout, m, l, delta, topk, dq, pos, kv0, s2, float(scale),
+        q, k, v, out, dout, m, l, delta, topk, dq, pos, kv0, s2, float(scale),
         N1=N1, N2=N2, G=G, K=K, BS=bs, BLOCK_BS=block_bs, Dqk=Dqk, Dv=Dv, BLOCK_G=block_g,
         CAUSAL=bool(causal), **heads, **dots,
         num_warps=4 if block_g <= 16 else 8, num_stages=2,

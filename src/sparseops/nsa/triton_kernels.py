@@ -100,7 +100,7 @@ def nsa_fwd_kernel(
 
 @triton.jit
 def nsa_bwd_dq_kernel(
-    q, k, v, do, m_in, l_in, delta, topk, dq,
+    q, k, v, o, do, m_in, l_in, delta, topk, dq,
     tok_pos, tok_kv0, tok_s2,
     scale,
     N1: tl.constexpr, N2: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BS: tl.constexpr, BLOCK_BS: tl.constexpr,
@@ -108,7 +108,8 @@ def nsa_bwd_dq_kernel(
     BLOCK_G: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, HAS_D2: tl.constexpr,
     BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
 ):
-    """dQ, query-major like the forward: one program per (query token, KV head), no atomics."""
+    """dQ, query-major like the forward: one program per (query token, KV head), no atomics.
+    Also writes ``delta = rowsum(dO * O)`` (fp32) for the dK/dV kernel."""
     i_t = tl.program_id(0).to(tl.int64)
     i_n2 = tl.program_id(1).to(tl.int64)
     s1 = tl.load(tok_pos + i_t).to(tl.int64)
@@ -133,12 +134,15 @@ def nsa_bwd_dq_kernel(
         # [BLOCK_G, BLOCK_D2]
         b_q2 = tl.load(q + o_h[:, None] * Dqk + o_d2[None, :], mask=m_g[:, None] & m_d2[None, :], other=0.0).to(DOT)
     # [BLOCK_G, BLOCK_DV]
-    b_do = tl.load(do + o_h[:, None] * Dv + o_dv[None, :], mask=m_g[:, None] & m_dv[None, :], other=0.0).to(DOT)
+    b_do32 = tl.load(do + o_h[:, None] * Dv + o_dv[None, :], mask=m_g[:, None] & m_dv[None, :], other=0.0).to(tl.float32)
+    b_o32 = tl.load(o + o_h[:, None] * Dv + o_dv[None, :], mask=m_g[:, None] & m_dv[None, :], other=0.0).to(tl.float32)
+    b_do = b_do32.to(DOT)
     # [BLOCK_G]
+    b_delta = tl.sum(b_do32 * b_o32, 1)
+    tl.store(delta + o_h, b_delta, mask=m_g)
     b_m = tl.load(m_in + o_h, mask=m_g, other=0.0)
     b_l = tl.load(l_in + o_h, mask=m_g, other=0.0)
     b_il = tl.where(b_l > 0, 1.0 / tl.where(b_l > 0, b_l, 1.0), 0.0)
-    b_delta = tl.load(delta + o_h, mask=m_g, other=0.0)
 
     # [BLOCK_G, BLOCK_D1]
     b_dq1 = tl.zeros([BLOCK_G, BLOCK_D1], dtype=tl.float32)
