@@ -78,6 +78,8 @@ CASES = [
     ("G16-empty-seq", dict(seqs_q=[6, 0, 5], N1=16, N2=1, Dqk=32, Dv=32, bs=16, K=2)),
     # bs = 48 is not a power of two (tile padded to 64); Dv > 16 padded; causal with duplicates
     ("bs48-dup", dict(seqs_q=[3, 70], N1=6, N2=2, Dqk=16, Dv=24, bs=48, K=2, duplicates=True)),
+    # G = 32: the largest group, a 32-row tile and 8 warps on GPU
+    ("G32", dict(seqs_q=[4, 3], N1=32, N2=1, Dqk=16, Dv=16, bs=16, K=2)),
     # the paper's head dims (192 = 128 + 64, Dv = 128), G = 4, tiny T
     ("paper-dims", dict(seqs_q=[4, 3], seqs_kv=[40, 20], N1=4, N2=1, Dqk=192, Dv=128, bs=16, K=2, causal=False)),
 ]
