@@ -319,6 +319,37 @@ def compile_check(Gs=(1, 4, 16, 32), cfg=None):
         dict(N2=N2, BS=BS, BLOCK_BS=triton_impl._next_pow2(BS), Dqk=Dqk, Dv=Dv, BLOCK_D=64), 4)
 
 
+def tune(device, cfg):
+    """Time forward / backward variants of the module-level launch settings at T = 32K, G = 16."""
+    N2, Dqk, Dv, bs, K = cfg["N2"], cfg["Dqk"], cfg["Dv"], cfg["bs"], cfg["K"]
+    q, k, v, topk, cu = make_inputs([32768], N2=N2, G=16, Dqk=Dqk, Dv=Dv, bs=bs, K=K, dtype=torch.bfloat16,
+                                    device=device)
+    sc = 1.0 / math.sqrt(Dqk)
+    out, m, l = triton_impl.forward(q, k, v, topk, sc, bs, cu, cu, True)
+    dout = torch.randn_like(out)
+    names = ("FWD_STAGES", "DKV_ROWS", "DKV_WARPS", "DKV_STAGES", "CHUNK")
+    base = {n: getattr(triton_impl, n) for n in names}
+    variants = [{}, {"FWD_STAGES": 3}, {"FWD_STAGES": 1}, {"DKV_ROWS": 16}, {"DKV_ROWS": 64},
+                {"DKV_STAGES": 3}, {"DKV_STAGES": 1}, {"CHUNK": 64}, {"CHUNK": 1024}, {"DKV_WARPS": 4}]
+    res = []
+    for var in variants:
+        try:
+            for n, val in {**base, **var}.items():
+                setattr(triton_impl, n, val)
+            f = bench(lambda: triton_impl.forward(q, k, v, topk, sc, bs, cu, cu, True), False)
+            b = bench(lambda: triton_impl.backward(q, k, v, out, dout, m, l, topk, sc, bs, cu, cu, True), False)
+            d = bench(lambda: triton_impl.backward(q, k, v, out, dout, m, l, topk, sc, bs, cu, cu, True,
+                                                   deterministic=True), False)
+            res.append({**var, "fwd_ms": f, "bwd_ms": b, "bwd_det_ms": d})
+            print(f"tune {var or 'base'}: fwd {f:.3f} ms, bwd {b:.3f} ms, det {d:.3f} ms", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"tune {var} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            res.append({**var, "error": f"{type(e).__name__}: {e}"})
+    for n, val in base.items():
+        setattr(triton_impl, n, val)
+    return res
+
+
 def git_commit():
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -331,6 +362,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="T = 8K and 32K only")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_nsa.json"))
+    ap.add_argument("--tune", action="store_true", help="also time launch-setting variants at T=32K, G=16")
     ap.add_argument("--compile-check", action="store_true",
                     help="compile the kernels for sm_90 without a GPU and print registers / spills")
     args = ap.parse_args()
@@ -402,6 +434,7 @@ def main():
               f"{r['bwd_ms']:>8.3f} {r['bwd_tflops']:>6.1f} {r['bwd_pct_matmul']:>5.1f} | "
               f"{r['bwd_det_ms']:>8.3f} {r['det_over_default']:>7.2f} | {fla}")
 
+    tuned = tune(device, cfg) if args.tune and not smoke else None
     meta = {
         "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit(),
@@ -410,7 +443,7 @@ def main():
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    out.write_text(json.dumps({"meta": meta, "rows": rows, "tune": tuned}, indent=1))
     print(f"\nwrote {out} ({time.time() - t0:.0f}s)")
 
 

@@ -28,6 +28,10 @@ from .._varlen import seq_lengths, token_seq_positions
 CHUNK = 256
 #: target tile rows (tokens x heads) per step of the dK/dV kernel
 DKV_ROWS = 32
+#: launch settings (sm_90; see docs/nsa_triton.md)
+FWD_STAGES = 2
+DKV_WARPS = 8
+DKV_STAGES = 2
 
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -100,7 +104,7 @@ def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
         q, k, v, topk, out, m, l, pos, kv0, s2, float(scale),
         N1=N1, N2=N2, G=G, K=K, BS=bs, BLOCK_BS=_next_pow2(bs), Dqk=Dqk, Dv=Dv, BLOCK_G=block_g,
         CAUSAL=bool(causal), **_head_blocks(Dqk, Dv), **_dot_args(q),
-        num_warps=4 if block_g <= 16 else 8, num_stages=2,
+        num_warps=4 if block_g <= 16 else 8, num_stages=FWD_STAGES,
     )
     return out, m, l
 
@@ -196,7 +200,7 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
         q, k, v, out, dout, m, l, delta, topk, dq, pos, kv0, s2, float(scale),
         N1=N1, N2=N2, G=G, K=K, BS=bs, BLOCK_BS=block_bs, Dqk=Dqk, Dv=Dv, BLOCK_G=block_g,
         CAUSAL=bool(causal), **heads, **dots,
-        num_warps=4 if block_g <= 16 else 8, num_stages=2,
+        num_warps=4 if block_g <= 16 else 8, num_stages=FWD_STAGES,
     )
 
     ix = build_inverse_index(topk, seq_id, bs, cu_kv, CHUNK)
@@ -206,8 +210,7 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     block_e = max(1, DKV_ROWS // gk)
     common = dict(
         N1=N1, N2=N2, G=G, BS=bs, BLOCK_BS=block_bs, Dqk=Dqk, Dv=Dv, BLOCK_G=gk, BLOCK_E=block_e,
-        CAUSAL=bool(causal), **heads, **dots, num_warps=8 if block_bs * max(block_e * gk, 16) >= 2048 else 4,
-        num_stages=2,
+        CAUSAL=bool(causal), **heads, **dots, num_warps=DKV_WARPS, num_stages=DKV_STAGES,
     )
     n_ch = ix["n_chunks"]
     args = (q, k, v, dout, m, l, delta, ix["ent_tok"], ix["ch_blk"], ix["ch_e0"], ix["ch_e1"],
