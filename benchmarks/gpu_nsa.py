@@ -189,7 +189,7 @@ def matmul_tflops(device, smoke):
     return 2 * n**3 / ms / 1e9
 
 
-def fla_runner(q, k, v, topk, bs, cu, scale):
+def fla_runner(q, k, v, topk, bs, cu, scale, ref_out=None):
     """fla-core's parallel_nsa forward+backward closures, or a string saying why it cannot run."""
     try:
         from fla.ops.nsa import parallel_nsa  # type: ignore
@@ -200,15 +200,23 @@ def fla_runner(q, k, v, topk, bs, cu, scale):
     if G < 16 or G & (G - 1):
         return f"cannot run: fla needs G a power of two >= 16, got {G}"
     T1 = q.shape[0]
-    cu_t = torch.tensor(cu, dtype=torch.int32, device=q.device)
+    cu_t = torch.tensor(cu, dtype=torch.int64, device=q.device)
     qq, kk, vv = (t.detach()[None].requires_grad_(True) for t in (q, k, v))
     bi = topk.to(torch.int64)[None]
-    counts = (topk >= 0).sum(-1).to(torch.int32)[None]
+    counts = (topk >= 0).sum(-1).to(torch.int64)[None]
+    gate = torch.ones(1, T1, N1, device=q.device, dtype=q.dtype)
+    kw = dict(g_slc=gate, g_swa=None, block_indices=bi, block_counts=counts, block_size=bs, scale=scale,
+              cu_seqlens=cu_t)
+    try:  # newer fla-core has a g_cmp gate before g_slc; older releases do not
+        import inspect
+
+        if "g_cmp" in inspect.signature(parallel_nsa).parameters:
+            kw["g_cmp"] = None
+    except (TypeError, ValueError):
+        pass
 
     def fwd():
-        return parallel_nsa(q=qq, k=kk, v=vv, g_cmp=None, g_slc=torch.ones(1, T1, N1, device=q.device, dtype=q.dtype),
-                            g_swa=None, block_indices=bi, block_counts=counts, block_size=bs, scale=scale,
-                            cu_seqlens=cu_t)
+        return parallel_nsa(qq, kk, vv, **kw)
 
     try:
         o = fwd()
@@ -217,6 +225,9 @@ def fla_runner(q, k, v, topk, bs, cu, scale):
     except Exception as e:  # noqa: BLE001
         return f"failed: {type(e).__name__}: {str(e)[:160]}"
     o = fwd()
+    if ref_out is not None:
+        err = testing.rel_rms_error(o[0].float(), ref_out.float())
+        print(f"  fla parallel_nsa output vs ours: relative RMS {err:.2e}", flush=True)
 
     def bwd():
         for t in (qq, kk, vv):
@@ -249,7 +260,7 @@ def run_row(device, T, G, dtype, smoke, cfg):
                                                            deterministic=True), smoke)
     if device == "cuda":
         row["bwd_det_extra_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-    fla = fla_runner(q, k, v, topk, bs, cu, sc) if not smoke else "skipped (smoke)"
+    fla = fla_runner(q, k, v, topk, bs, cu, sc, out) if not smoke else "skipped (smoke)"
     if isinstance(fla, str):
         row["fla"] = fla
     else:
