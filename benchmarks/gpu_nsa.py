@@ -324,7 +324,7 @@ def compile_check(Gs=(1, 4, 16, 32), cfg=None):
                                           "ent_tok": i32, "ch_blk": i64, "ch_e0": i64, "ch_e1": i64, "blk_row0": i64,
                                           "blk_p0": i32, "blk_n": i32, "tok_pos": i32},
                 {**common, "BLOCK_G": gk, "BLOCK_E": max(1, triton_impl.DKV_ROWS // gk), "DETERMINISTIC": det,
-                 "USE_WHILE": False}, 8)
+                 "USE_WHILE": False}, triton_impl._dkv_warps(BS, hb))
     one(kern.nsa_bwd_reduce_kernel, {"ws_k": f32, "ws_v": f32, "blk_c0": i64, "blk_c1": i64, "blk_row0": i64,
                                      "blk_n": i32, "dk": bf, "dv": bf},
         dict(N2=N2, BS=BS, BLOCK_BS=triton_impl._next_pow2(BS), Dqk=Dqk, Dv=Dv, BLOCK_D=64), 4)

@@ -68,6 +68,12 @@ def _head_blocks(Dqk: int, Dv: int) -> dict:
     }
 
 
+def _dkv_warps(bs: int, heads: dict) -> int:
+    """8 warps; 16 when the fp32 dK/dV accumulators of one key block pass 32K values (bs = 128 with wide heads)."""
+    cols = heads["BLOCK_D1"] + (heads["BLOCK_D2"] if heads["HAS_D2"] else 0) + heads["BLOCK_DV"]
+    return 16 if _next_pow2(bs) * cols > 32768 else DKV_WARPS
+
+
 def _dot_args(q) -> dict:
     import triton.language as tl
 
@@ -210,7 +216,7 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     block_e = max(1, DKV_ROWS // gk)
     common = dict(
         N1=N1, N2=N2, G=G, BS=bs, BLOCK_BS=block_bs, Dqk=Dqk, Dv=Dv, BLOCK_G=gk, BLOCK_E=block_e,
-        CAUSAL=bool(causal), **heads, **dots, num_warps=DKV_WARPS, num_stages=DKV_STAGES,
+        CAUSAL=bool(causal), **heads, **dots, num_warps=_dkv_warps(bs, heads), num_stages=DKV_STAGES,
     )
     n_ch = ix["n_chunks"]
     args = (q, k, v, dout, m, l, delta, ix["ent_tok"], ix["ch_blk"], ix["ch_e0"], ix["ch_e1"],
