@@ -132,6 +132,24 @@ def test_deterministic_is_bitwise_stable_and_chunked(monkeypatch, chunk):
         assert torch.equal(x, y)
 
 
+def test_every_output_element_is_written(monkeypatch):
+    """Fresh buffers (outputs, stats, D, workspace) come back NaN-poisoned: a missed store shows up as an error."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def empty(*a, **kw):
+        return testing.poison_(real_empty(*a, **kw))
+
+    def empty_like(*a, **kw):
+        return testing.poison_(real_empty_like(*a, **kw))
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch, "empty_like", empty_like)
+    monkeypatch.setattr(triton_impl, "CHUNK", 2)
+    # bs = 48 (padded tile), S2 not a multiple of bs, an empty query sequence, G = 3 (padded rows)
+    c = _case([4, 0, 9], [50, 10, 60], N1=6, N2=2, Dqk=48, Dv=24, bs=48, K=2, empty_frac=0.2, duplicates=True)
+    _check(c, torch.float32)
+
+
 def test_float64_is_rejected():
     c = _case([3], N1=2, N2=1, Dqk=16, Dv=16, bs=16, K=1, dtype=torch.float64)
     with pytest.raises(TypeError, match="float64"):
