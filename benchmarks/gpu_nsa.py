@@ -330,27 +330,27 @@ def compile_check(Gs=(1, 4, 16, 32), cfg=None):
         dict(N2=N2, BS=BS, BLOCK_BS=triton_impl._next_pow2(BS), Dqk=Dqk, Dv=Dv, BLOCK_D=64), 4)
 
 
-def tune(device, cfg):
+def tune(device, cfg, smoke=False):
     """Time forward / backward variants of the module-level launch settings at T = 32K, G = 16."""
     N2, Dqk, Dv, bs, K = cfg["N2"], cfg["Dqk"], cfg["Dv"], cfg["bs"], cfg["K"]
-    q, k, v, topk, cu = make_inputs([32768], N2=N2, G=16, Dqk=Dqk, Dv=Dv, bs=bs, K=K, dtype=torch.bfloat16,
-                                    device=device)
+    q, k, v, topk, cu = make_inputs([48 if smoke else 32768], N2=N2, G=2 if smoke else 16, Dqk=Dqk, Dv=Dv, bs=bs,
+                                    K=K, dtype=torch.float32 if smoke else torch.bfloat16, device=device)
     sc = 1.0 / math.sqrt(Dqk)
     out, m, l = triton_impl.forward(q, k, v, topk, sc, bs, cu, cu, True)
     dout = torch.randn_like(out)
     names = ("FWD_STAGES", "DKV_ROWS", "DKV_WARPS", "DKV_STAGES", "CHUNK")
     base = {n: getattr(triton_impl, n) for n in names}
-    variants = [{}, {"FWD_STAGES": 3}, {"FWD_STAGES": 1}, {"DKV_ROWS": 16}, {"DKV_ROWS": 64},
+    variants = [{}, {"DKV_ROWS": 64}, {"CHUNK": 64}] if smoke else [{}, {"FWD_STAGES": 3}, {"FWD_STAGES": 1}, {"DKV_ROWS": 16}, {"DKV_ROWS": 64},
                 {"DKV_STAGES": 3}, {"DKV_STAGES": 1}, {"CHUNK": 64}, {"CHUNK": 1024}, {"DKV_WARPS": 4}]
     res = []
     for var in variants:
         try:
             for n, val in {**base, **var}.items():
                 setattr(triton_impl, n, val)
-            f = bench(lambda: triton_impl.forward(q, k, v, topk, sc, bs, cu, cu, True), False)
-            b = bench(lambda: triton_impl.backward(q, k, v, out, dout, m, l, topk, sc, bs, cu, cu, True), False)
+            f = bench(lambda: triton_impl.forward(q, k, v, topk, sc, bs, cu, cu, True), smoke)
+            b = bench(lambda: triton_impl.backward(q, k, v, out, dout, m, l, topk, sc, bs, cu, cu, True), smoke)
             d = bench(lambda: triton_impl.backward(q, k, v, out, dout, m, l, topk, sc, bs, cu, cu, True,
-                                                   deterministic=True), False)
+                                                   deterministic=True), smoke)
             res.append({**var, "fwd_ms": f, "bwd_ms": b, "bwd_det_ms": d})
             print(f"tune {var or 'base'}: fwd {f:.3f} ms, bwd {b:.3f} ms, det {d:.3f} ms", flush=True)
         except Exception as e:  # noqa: BLE001
@@ -445,7 +445,7 @@ def main():
               f"{r['bwd_ms']:>8.3f} {r['bwd_tflops']:>6.1f} {r['bwd_pct_matmul']:>5.1f} | "
               f"{r['bwd_det_ms']:>8.3f} {r['det_over_default']:>7.2f} | {fla}")
 
-    tuned = tune(device, cfg) if args.tune and not smoke else None
+    tuned = tune(device, cfg, smoke) if args.tune else None
     meta = {
         "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit(),
