@@ -112,7 +112,7 @@ def test_fully_masked_rows_are_zero():
 
 
 def test_never_selected_keys_get_zero_grads():
-    topk = torch.zeros(4, 2, 1, dtype=torch.int32)  # only block 0 of each sequence, both heads
+    topk = torch.zeros(4, 2, 1, dtype=torch.int64)  # only block 0 of each sequence, both heads; int64 ids
     c = _case([2, 2], [32, 32], N1=2, N2=2, Dqk=16, Dv=16, bs=16, K=1, causal=False, topk=topk)
     out, m, l = _check(c, torch.float32)
     _, dk, dv = _bwd(triton_impl, c, out, m, l)
@@ -145,8 +145,9 @@ def test_every_output_element_is_written(monkeypatch):
     monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(torch, "empty_like", empty_like)
     monkeypatch.setattr(triton_impl, "CHUNK", 2)
-    # bs = 48 (padded tile), S2 not a multiple of bs, an empty query sequence, G = 3 (padded rows)
-    c = _case([4, 0, 9], [50, 10, 60], N1=6, N2=2, Dqk=48, Dv=24, bs=48, K=2, empty_frac=0.2, duplicates=True)
+    # bs = 48 (padded tile), S2 not a multiple of bs, an empty query sequence, a sequence without keys,
+    # G = 3 (padded rows)
+    c = _case([4, 0, 9, 3], [50, 10, 60, 0], N1=6, N2=2, Dqk=48, Dv=24, bs=48, K=2, empty_frac=0.2, duplicates=True)
     _check(c, torch.float32)
 
 
