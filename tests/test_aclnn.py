@@ -335,6 +335,7 @@ BAD_CALLS = [
     ("sorted-indices-wrong-length", _moe_bad(_set(1, lambda d, a: a[1][:-1])), ACLNN_ERR_INNER_TILING_ERROR, ["sortedIndices"]),
     ("permuted-too-few-rows", _moe_bad(_set(2, lambda d, a: a[2][:3])), ACLNN_ERR_INNER_TILING_ERROR, ["permutedTokensOptional"]),
     ("out-wrong-shape", _moe_bad(_set(8, lambda d, a: empty_like_poisoned((R, H), torch.float32))), ACLNN_ERR_INNER_TILING_ERROR, ["permutedTokensGradOut", f"[{N}, {H}]"]),
+    ("out-broadcast-view", _moe_bad(_set(8, lambda d, a: torch.zeros(1, H).expand(N, H))), ACLNN_ERR_PARAM_INVALID, ["permutedTokensGradOut", "overlap"]),
     ("out-wrong-dtype", _moe_bad(_set(9, lambda d, a: empty_like_poisoned((T, K), torch.float16))), ACLNN_ERR_INNER_TILING_ERROR, ["probsGradOut", "float16"]),
     ("nsa-null-query", _nsa_bad(_set(0, None)), ACLNN_ERR_PARAM_NULLPTR, ["query"]),
     ("nsa-null-out", _nsa_bad(_set(15, None)), ACLNN_ERR_PARAM_NULLPTR, ["attentionOut"]),
@@ -367,6 +368,25 @@ def test_bad_call_status_message_and_no_write(make, status, words):
         assert w in msg, msg
     for i, t in before.items():
         assert same_bits(args[i], t), f"out argument {i} was written by a failed call"
+
+
+def test_runtime_failure_is_a_status(monkeypatch):
+    # a failure while computing (here simulated: the op raises RuntimeError on real tensors) is 361001
+    real = sparseops.moe.api.moe_token_unpermute_with_ep_grad
+
+    def failing(grad, *args, **kwargs):
+        if grad.device.type != "meta":
+            raise RuntimeError("device out of memory")
+        return real(grad, *args, **kwargs)
+
+    monkeypatch.setattr(sparseops.moe.api, "moe_token_unpermute_with_ep_grad", failing)
+    args = unpermute_grad_args(moe())
+    before = args[8].clone()
+    status, ws, ex = phase1("MoeTokenUnpermuteWithEpGrad", *args)
+    assert status == ACLNN_SUCCESS, aclGetRecentErrMsg()
+    assert aclnn.aclnnMoeTokenUnpermuteWithEpGrad(torch.empty(ws, dtype=torch.uint8), ws, ex, None) == aclnn.ACLNN_ERR_RUNTIME_ERROR
+    assert "out of memory" in aclGetRecentErrMsg()
+    assert same_bits(args[8], before)
 
 
 def test_data_error_fails_in_phase2_without_writing():

@@ -317,6 +317,11 @@ def _out(name: str, t, shape, dtype: torch.dtype) -> torch.Tensor:
         raise _Fail(ACLNN_ERR_PARAM_INVALID, f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in _FLOATS + (torch.int32,):
         raise _Fail(ACLNN_ERR_PARAM_INVALID, f"{name}: dtype {_dtype_name(t.dtype)} is not supported")
+    if any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
+        raise _Fail(
+            ACLNN_ERR_PARAM_INVALID,
+            f"{name}: an out tensor must not overlap itself (got a broadcast view with strides {tuple(t.stride())})",
+        )
     if tuple(t.shape) != tuple(shape):
         raise _Fail(ACLNN_ERR_INNER_TILING_ERROR, f"{name}: expected shape {_shape(shape)}, got {_shape(t.shape)}")
     if t.dtype != dtype:
