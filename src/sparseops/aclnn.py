@@ -8,11 +8,11 @@ and parameter order::
 
 - Nothing raises: every failure is a status; :func:`aclGetRecentErrMsg` returns its text, which names the
   parameter by its CANN name and carries the Python op's own message.
-- Phase 1 validates (null tensors, dtypes, layout, attributes, out-tensor shapes and dtypes, and every
-  shape/attribute check of the Python op, run as a dry call on ``meta`` tensors: no data is read, nothing is
-  computed, nothing is written). Checks that read tensor *data* (``sortedIndices`` is a permutation of
-  ``[0, N)``, block ids in range) need device memory and run in phase 2, before any out tensor is touched.
-- Phase 2 runs the Python op and copies its results into the caller's out tensors.
+- Phase 1 validates everything: null tensors, dtypes, layout and out tensors here, then every check of the
+  Python op (its own validator, data-dependent checks included: ``sortedIndices`` is a permutation, block
+  ids are in range). It computes nothing and writes nothing.
+- Phase 2 only computes: it runs the Python op (``validate=False``, all checks done) and copies its results
+  into the caller's out tensors.
 - An executor runs once; ``workspace_size`` is the bytes of the temporary results phase 2 allocates before
   copying them into the out tensors (see docs/aclnn.md).
 
@@ -25,6 +25,7 @@ while computing).
 
 from __future__ import annotations
 
+import re
 import threading
 
 import torch
@@ -75,7 +76,6 @@ ACL_OPT_DETERMINISTIC = 0
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _FLOAT_NAMES = "FLOAT, FLOAT16, BFLOAT16"
-_BACKEND_MODULES = ("reference", "torch_impl", "triton_impl", "triton_kernels")
 
 _tls = threading.local()
 
@@ -131,8 +131,8 @@ def _python_error(exc: BaseException, names: dict[str, str]) -> tuple[int, str]:
     """Status and message for an exception raised by a Python op's argument checks. The Python message
     starts with the argument's Python name; put the CANN name in front of it."""
     msg = str(exc)
-    head = msg.split(":", 1)[0].strip()
-    cann = names.get(head)
+    head = re.match(r"\s*([A-Za-z_][A-Za-z0-9_]*)", msg)
+    cann = names.get(head.group(1)) if head else None
     text = f"{cann}: {msg}" if cann else msg
     status = ACLNN_ERR_PARAM_INVALID if isinstance(exc, TypeError) else ACLNN_ERR_INNER_TILING_ERROR
     return status, text
@@ -207,7 +207,7 @@ def _phase2(api: str, workspace, workspace_size, executor, stream) -> int:
     except _Fail as f:
         return _record(api, f.status, f.msg)
     except (ValueError, TypeError, NotImplementedError) as exc:
-        # the Python op's data-dependent checks (index values); raised before anything was written
+        # phase 1 ran every check, so this is not expected; the op raises before anything is written
         status, text = _python_error(exc, executor._run.names)
         return _record(api, status, text)
     except Exception as exc:
@@ -263,6 +263,11 @@ def _int(name: str, v) -> int:
     return v
 
 
+def _padded(v) -> None:
+    if _bool("paddedMode", v):
+        raise _Fail(ACLNN_ERR_INNER_TILING_ERROR, "paddedMode: only false is supported (CANN documents false only), got true")
+
+
 def _int_array(name: str, v):
     """An ``aclIntArray``: None, a list/tuple of ints or a 1-D integer tensor -> list of ints (or None)."""
     if v is None:
@@ -282,16 +287,20 @@ def _int_array(name: str, v):
     raise _Fail(ACLNN_ERR_PARAM_INVALID, f"{name}: expected an int array (list of ints) or None, got {type(v).__name__}")
 
 
-def _window(name: str, rng, N: int, natural_end: int) -> tuple[int, int]:
-    """spec/moe.md §2: None = [0, natural_end); else negatives + N, clamp to [0, N], e >= s."""
-    if rng is None:
-        return 0, natural_end
-    if len(rng) != 2:
-        raise _Fail(ACLNN_ERR_INNER_TILING_ERROR, f"{name}: expected exactly 2 values [start, end], got {len(rng)}: {rng}")
-    s, e = (min(max(x + N if x < 0 else x, 0), N) for x in rng)
-    if e < s:
-        raise _Fail(ACLNN_ERR_INNER_TILING_ERROR, f"{name}: end < start after normalisation to [0, N={N}]: {rng} -> [{s}, {e})")
-    return s, e
+def _window_rows(names: dict[str, str], rng, sorted_indices, t: torch.Tensor, cann: str):
+    """The window ``(s, e)`` of spec/moe.md §2 for a permuted-side input ``t`` that may be taller than it (CANN
+    documents ``[N, H]``): its first ``R = e - s`` rows are read. Returns ``(s, e, t[:R])``; when the shapes are
+    too broken to tell, ``t`` is returned whole and the op's validator reports them."""
+    if t.dim() < 1 or sorted_indices.dim() != 1:
+        return None, None, t
+    N = sorted_indices.shape[0]
+    s, e = _validate(names, _moe().normalize_range, rng, N, min(t.shape[0], N))
+    if t.shape[0] < e - s:
+        raise _Fail(
+            ACLNN_ERR_INNER_TILING_ERROR,
+            f"{cann}: expected at least R={e - s} rows for the window [{s}, {e}), got shape {_shape(t.shape)}",
+        )
+    return s, e, t[: e - s]
 
 
 def _layout(v) -> None:
@@ -336,33 +345,13 @@ def _nbytes(shape, dtype: torch.dtype) -> int:
     return n * torch.empty((), dtype=dtype).element_size()
 
 
-def _meta(t):
-    return None if t is None else t.detach().to("meta")
-
-
-def _is_check_frame(tb) -> bool:
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    mod = tb.tb_frame.f_globals.get("__name__", "")
-    return mod.startswith("sparseops.") and mod.rsplit(".", 1)[-1] not in _BACKEND_MODULES
-
-
-def _dry_call(fn, names: dict[str, str], *args, **kwargs) -> None:
-    """Run every shape/dtype/attribute check of a Python op without computing: call it on ``meta`` tensors
-    (no data, no math) with ``validate=False`` (the data checks read memory; they run in phase 2). A
-    ValueError/TypeError raised by the op's own checks fails phase 1; anything the backend raises while
-    shape-propagating on meta tensors (an op without a meta kernel) is not an argument error and is ignored."""
-    args = [_meta(a) if isinstance(a, torch.Tensor) else a for a in args]
-    kwargs = {k: _meta(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+def _validate(names: dict[str, str], fn, *args, **kwargs):
+    """Run one of the Python op's validators (no computing); its ValueError / TypeError becomes a status."""
     try:
         with torch.no_grad():
-            fn(*args, backend="auto", validate=False, **kwargs)
+            return fn(*args, **kwargs)
     except (ValueError, TypeError, NotImplementedError) as exc:
-        meta_gap = isinstance(exc, NotImplementedError) and "meta" in str(exc).lower()
-        if _is_check_frame(exc.__traceback__) and not meta_gap:
-            raise _Fail(*_python_error(exc, names)) from None
-    except Exception:
-        pass
+        raise _Fail(*_python_error(exc, names)) from None
 
 
 def _moe():
@@ -412,19 +401,12 @@ def aclnnMoeTokenPermuteWithEpGetWorkspaceSize(  # noqa: N802
         _tensor("probsOptional", probsOptional, required=False)
         rng = _int_array("rangeOptional", rangeOptional)
         n_out = _int("numOutTokens", numOutTokens)
-        if _bool("paddedMode", paddedMode):
-            raise _Fail(ACLNN_ERR_INNER_TILING_ERROR, "paddedMode: only false is supported, got true")
+        _padded(paddedMode)
         device = _same_device(tokens=tokens, indices=indices, probsOptional=probsOptional)
-        fn = _moe().moe_token_permute_with_ep
-        _dry_call(fn, _PERMUTE_NAMES, tokens, indices, probs=probsOptional, range=rng, num_out_tokens=n_out,
-                  padded_mode=False)
-        N, H = indices.numel(), tokens.shape[1]
-        if rng is None:
-            e = N if n_out == 0 else (min(n_out, N) if n_out > 0 else max(N + n_out, 0))
-            s = 0
-        else:
-            s, e = _window("rangeOptional", rng, N, N)
-        R = e - s
+        moe = _moe()
+        _, _, _, K, s, e = _validate(_PERMUTE_NAMES, moe.check_permute_args, tokens, indices, probsOptional, rng,
+                                     n_out, False, validate=True)
+        N, H, R = indices.numel(), tokens.shape[1], e - s
         outs = {"permuteTokensOut": _out("permuteTokensOut", permuteTokensOut, (R, H), tokens.dtype),
                 "sortedIndicesOut": _out("sortedIndicesOut", sortedIndicesOut, (N,), torch.int32)}
         ws = _nbytes((R, H), tokens.dtype) + _nbytes((N,), torch.int32)
@@ -434,8 +416,8 @@ def aclnnMoeTokenPermuteWithEpGetWorkspaceSize(  # noqa: N802
         _same_device(tokens=tokens, **outs)
 
         def call():
-            return fn(tokens, indices, probs=probsOptional, range=rng, num_out_tokens=n_out, padded_mode=False,
-                      backend="auto", validate=True)
+            return moe.moe_token_permute_with_ep(tokens, indices, probsOptional, rng, n_out, False,
+                                                 backend="auto", validate=False)
 
         def store(res):
             pt, si, pp = res
@@ -487,35 +469,24 @@ def aclnnMoeTokenUnpermuteWithEpGetWorkspaceSize(  # noqa: N802
         _tensor("permutedTokens", permutedTokens)
         _index32("sortedIndices", sortedIndices)
         _tensor("probsOptional", probsOptional, required=False)
-        K = _int("numTopk", numTopk)
+        topk = _int("numTopk", numTopk)
         rng = _int_array("rangeOptional", rangeOptional)
-        if _bool("paddedMode", paddedMode):
-            raise _Fail(ACLNN_ERR_INNER_TILING_ERROR, "paddedMode: only false is supported, got true")
+        _padded(paddedMode)
         restore = _int_array("restoreShapeOptional", restoreShapeOptional)
         device = _same_device(permutedTokens=permutedTokens, sortedIndices=sortedIndices, probsOptional=probsOptional)
-        if permutedTokens.dim() != 2:
-            raise _Fail(ACLNN_ERR_INNER_TILING_ERROR, f"permutedTokens: expected a 2-D tensor, got shape {_shape(permutedTokens.shape)}")
-        N = sortedIndices.numel()
-        s, e = _window("rangeOptional", rng, N, permutedTokens.shape[0])
-        R = e - s
-        if permutedTokens.shape[0] < R:
-            raise _Fail(
-                ACLNN_ERR_INNER_TILING_ERROR,
-                f"permutedTokens: expected at least R={R} rows for the window [{s}, {e}), got {permutedTokens.shape[0]}",
-            )
-        pt = permutedTokens[:R]
-        fn = _moe().moe_token_unpermute_with_ep
-        kw = dict(probs=probsOptional, topk_num=K, range=rng, padded_mode=False, restore_shape=restore)
-        _dry_call(fn, _UNPERMUTE_NAMES, pt, sortedIndices, **kw)
-        k = probsOptional.shape[1] if probsOptional is not None else K
-        T, H = N // k, permutedTokens.shape[1]
-        _out("out", out, (T, H), permutedTokens.dtype)
-        _same_device(permutedTokens=permutedTokens, out=out)
+        moe = _moe()
+        _, _, pt = _window_rows(_UNPERMUTE_NAMES, rng, sortedIndices, permutedTokens, "permutedTokens")
+        _, _, _, K, s, e = _validate(_UNPERMUTE_NAMES, moe.check_unpermute_args, pt, sortedIndices, probsOptional,
+                                     topk, rng, False, restore, validate=True)
+        T, H = sortedIndices.shape[0] // K, pt.shape[1]
+        _out("out", out, (T, H), pt.dtype)
+        _same_device(permutedTokens=pt, out=out)
 
         def call():
-            return fn(pt, sortedIndices, backend="auto", validate=True, **kw)
+            return moe.moe_token_unpermute_with_ep(pt, sortedIndices, probsOptional, topk, rng, False, restore,
+                                                   backend="auto", validate=False)
 
-        return _Runner(call, out.copy_, _UNPERMUTE_NAMES), _nbytes((T, H), permutedTokens.dtype), device
+        return _Runner(call, out.copy_, _UNPERMUTE_NAMES), _nbytes((T, H), pt.dtype), device
 
     return _phase1(api, build)
 
@@ -530,10 +501,9 @@ def aclnnMoeTokenUnpermuteWithEp(workspace, workspaceSize, executor, stream):  #
 # ----------------------------------------------------------------------------------------------------------------
 
 _UNPERMUTE_GRAD_NAMES = {
-    "unpermuted_tokens_grad": "unpermutedTokensGrad", "grad": "unpermutedTokensGrad",
-    "sorted_indices": "sortedIndices", "permuted_tokens": "permutedTokensOptional", "probs": "probsOptional",
-    "padded_mode": "paddedMode", "restore_shape": "restoreShapeOptional", "range": "rangeOptional",
-    "topk_num": "topkNum",
+    "unpermuted_tokens_grad": "unpermutedTokensGrad", "sorted_indices": "sortedIndices",
+    "permuted_tokens": "permutedTokensOptional", "probs": "probsOptional", "padded_mode": "paddedMode",
+    "restore_shape": "restoreShapeOptional", "range": "rangeOptional", "topk_num": "topkNum",
 }
 
 
@@ -561,43 +531,32 @@ def aclnnMoeTokenUnpermuteWithEpGradGetWorkspaceSize(  # noqa: N802
     def build():
         g = _tensor("unpermutedTokensGrad", unpermutedTokensGrad)
         _index32("sortedIndices", sortedIndices)
-        _tensor("permutedTokensOptional", permutedTokensOptional, required=False)
+        pt = _tensor("permutedTokensOptional", permutedTokensOptional, required=False)
         _tensor("probsOptional", probsOptional, required=False)
-        if _bool("paddedMode", paddedMode):
-            raise _Fail(ACLNN_ERR_INNER_TILING_ERROR, "paddedMode: only false is supported, got true")
+        _padded(paddedMode)
         restore = _int_array("restoreShapeOptional", restoreShapeOptional)
         rng = _int_array("rangeOptional", rangeOptional)
-        K = _int("topkNum", topkNum)
-        if probsOptional is not None and permutedTokensOptional is None:
+        topk = _int("topkNum", topkNum)
+        if probsOptional is not None and pt is None:
             raise _Fail(ACLNN_ERR_PARAM_NULLPTR, "permutedTokensOptional: is None but probsOptional is given (needed for probsGradOut)")
-        device = _same_device(unpermutedTokensGrad=g, sortedIndices=sortedIndices,
-                              permutedTokensOptional=permutedTokensOptional, probsOptional=probsOptional)
-        N = sortedIndices.numel()
-        pt = permutedTokensOptional
-        if pt is not None and pt.dim() != 2:
-            raise _Fail(ACLNN_ERR_INNER_TILING_ERROR, f"permutedTokensOptional: expected a 2-D tensor, got shape {_shape(pt.shape)}")
-        s, e = _window("rangeOptional", rng, N, pt.shape[0] if pt is not None else N)
-        R = e - s
+        device = _same_device(unpermutedTokensGrad=g, sortedIndices=sortedIndices, permutedTokensOptional=pt,
+                              probsOptional=probsOptional)
+        moe = _moe()
         if pt is not None:
-            if pt.shape[0] < R:
-                raise _Fail(
-                    ACLNN_ERR_INNER_TILING_ERROR,
-                    f"permutedTokensOptional: expected at least R={R} rows for the window [{s}, {e}), got {pt.shape[0]}",
-                )
-            pt = pt[:R]
-        fn = _moe().moe_token_unpermute_with_ep_grad
-        kw = dict(permuted_tokens=pt, probs=probsOptional, padded_mode=False, restore_shape=restore, range=rng, topk_num=K)
-        _dry_call(fn, _UNPERMUTE_GRAD_NAMES, g, sortedIndices, **kw)
-        T, H = g.shape
+            _, _, pt = _window_rows(_UNPERMUTE_GRAD_NAMES, rng, sortedIndices, pt, "permutedTokensOptional")
+        _, _, _, _, K, s, e = _validate(_UNPERMUTE_GRAD_NAMES, moe.check_unpermute_grad_args, g, sortedIndices, pt,
+                                        probsOptional, False, restore, rng, topk, validate=True)
+        (T, H), N, R = g.shape, sortedIndices.shape[0], e - s
         outs = {"permutedTokensGradOut": _out("permutedTokensGradOut", permutedTokensGradOut, (N, H), g.dtype)}
         ws = _nbytes((R, H), g.dtype)
         if probsOptional is not None:
-            outs["probsGradOut"] = _out("probsGradOut", probsGradOut, tuple(probsOptional.shape), probsOptional.dtype)
-            ws += _nbytes(probsOptional.shape, probsOptional.dtype)
+            outs["probsGradOut"] = _out("probsGradOut", probsGradOut, (T, K), probsOptional.dtype)
+            ws += _nbytes((T, K), probsOptional.dtype)
         _same_device(unpermutedTokensGrad=g, **outs)
 
         def call():
-            return fn(g, sortedIndices, backend="auto", validate=True, **kw)
+            return moe.moe_token_unpermute_with_ep_grad(g, sortedIndices, pt, probsOptional, False, restore, rng, topk,
+                                                        backend="auto", validate=False)
 
         def store(res):
             ptg, pg = res
@@ -649,34 +608,23 @@ def aclnnMoeTokenPermuteWithEpGradGetWorkspaceSize(  # noqa: N802
         g = _tensor("permutedTokensOutputGrad", permutedTokensOutputGrad)
         _index32("sortedIndices", sortedIndices)
         ppg = _tensor("permutedProbsOutputGradOptional", permutedProbsOutputGradOptional, required=False)
-        K = _int("numTopk", numTopk)
+        topk = _int("numTopk", numTopk)
         rng = _int_array("rangeOptional", rangeOptional)
-        if _bool("paddedMode", paddedMode):
-            raise _Fail(ACLNN_ERR_INNER_TILING_ERROR, "paddedMode: only false is supported, got true")
+        _padded(paddedMode)
         device = _same_device(permutedTokensOutputGrad=g, sortedIndices=sortedIndices,
                               permutedProbsOutputGradOptional=ppg)
-        if g.dim() != 2:
-            raise _Fail(ACLNN_ERR_INNER_TILING_ERROR, f"permutedTokensOutputGrad: expected a 2-D tensor, got shape {_shape(g.shape)}")
-        N = sortedIndices.numel()
-        s, e = _window("rangeOptional", rng, N, g.shape[0])
-        R = e - s
-        if g.shape[0] < R:
-            raise _Fail(
-                ACLNN_ERR_INNER_TILING_ERROR,
-                f"permutedTokensOutputGrad: expected at least R={R} rows for the window [{s}, {e}), got {g.shape[0]}",
-            )
-        if ppg is not None:
-            if ppg.dim() != 1 or ppg.shape[0] < R:
+        moe = _moe()
+        s, e, g = _window_rows(_PERMUTE_GRAD_NAMES, rng, sortedIndices, g, "permutedTokensOutputGrad")
+        if ppg is not None and s is not None:
+            if ppg.dim() != 1 or ppg.shape[0] < e - s:
                 raise _Fail(
                     ACLNN_ERR_INNER_TILING_ERROR,
-                    f"permutedProbsOutputGradOptional: expected a 1-D tensor of at least R={R} entries, got shape {_shape(ppg.shape)}",
+                    f"permutedProbsOutputGradOptional: expected a 1-D tensor of at least R={e - s} entries, got shape {_shape(ppg.shape)}",
                 )
-            ppg = ppg[:R]
-        gR = g[:R]
-        fn = _moe().moe_token_permute_with_ep_grad
-        kw = dict(permuted_probs_grad=ppg, topk_num=K, range=rng, padded_mode=False)
-        _dry_call(fn, _PERMUTE_GRAD_NAMES, gR, sortedIndices, **kw)
-        T, H = N // K, g.shape[1]
+            ppg = ppg[: e - s]
+        _, _, _, K, s, e = _validate(_PERMUTE_GRAD_NAMES, moe.check_permute_grad_args, g, sortedIndices, ppg, topk, rng,
+                                     False, validate=True)
+        T, H = sortedIndices.shape[0] // K, g.shape[1]
         outs = {"tokenGradOut": _out("tokenGradOut", tokenGradOut, (T, H), g.dtype)}
         ws = _nbytes((T, H), g.dtype)
         if ppg is not None:
@@ -685,7 +633,8 @@ def aclnnMoeTokenPermuteWithEpGradGetWorkspaceSize(  # noqa: N802
         _same_device(permutedTokensOutputGrad=g, **outs)
 
         def call():
-            return fn(gR, sortedIndices, backend="auto", validate=True, **kw)
+            return moe.moe_token_permute_with_ep_grad(g, sortedIndices, ppg, topk, rng, False,
+                                                      backend="auto", validate=False)
 
         def store(res):
             tg, pg = res
@@ -729,12 +678,6 @@ def _mask(t):
     return _tensor("attenMaskOptional", t, required=False, dtypes=(torch.bool, torch.uint8), dtype_names="BOOL, UINT8")
 
 
-def _qkv_ranks(**tensors) -> None:
-    for name, t in tensors.items():
-        if t.dim() != 3:
-            raise _Fail(ACLNN_ERR_INNER_TILING_ERROR, f"{name}: expected a 3-D TND tensor, got shape {_shape(t.shape)}")
-
-
 def aclnnNsaSelectedAttentionGetWorkspaceSize(  # noqa: N802
     query, key, value, topkIndices, attenMaskOptional, actualSeqQLenOptional, actualSeqKvLenOptional,  # noqa: N803
     scaleValue, headNum, inputLayout, sparseMode, selectedBlockSize, selectedBlockCount,  # noqa: N803
@@ -764,14 +707,11 @@ def aclnnNsaSelectedAttentionGetWorkspaceSize(  # noqa: N802
         cq = _int_array("actualSeqQLenOptional", actualSeqQLenOptional)
         ckv = _int_array("actualSeqKvLenOptional", actualSeqKvLenOptional)
         _layout(inputLayout)
-        mode = _sparse_mode(sparseMode)
+        mode = 2 if _sparse_mode(sparseMode) == 2 and mask is not None else 0  # CANN's forward rule
         device = _same_device(query=q, key=k, value=v, topkIndices=topk, attenMaskOptional=mask)
-        eff_mode = 2 if mode == 2 and mask is not None else 0
-        fn = _nsa().nsa_selected_attention
-        pos = (scaleValue, headNum, selectedBlockSize, selectedBlockCount)
-        kw = dict(atten_mask=mask, actual_seq_qlen=cq, actual_seq_kvlen=ckv, sparse_mode=eff_mode)
-        _dry_call(fn, _NSA_NAMES, q, k, v, topk, *pos, **kw)
-        _qkv_ranks(query=q, value=v)
+        nsa = _nsa()
+        _validate(_NSA_NAMES, nsa._check_args, q, k, v, topk, scaleValue, headNum, selectedBlockSize,
+                  selectedBlockCount, mask, cq, ckv, mode, "TND", True)
         T1, N1, Dv = q.shape[0], q.shape[1], v.shape[2]
         outs = {
             "softmaxMaxOut": _out("softmaxMaxOut", softmaxMaxOut, (T1, N1, 8), torch.float32),
@@ -782,7 +722,10 @@ def aclnnNsaSelectedAttentionGetWorkspaceSize(  # noqa: N802
         ws = 2 * _nbytes((T1, N1, 8), torch.float32) + _nbytes((T1, N1, Dv), q.dtype)
 
         def call():
-            return fn(q, k, v, topk, *pos, backend="auto", validate=True, **kw)
+            return nsa.nsa_selected_attention(
+                q, k, v, topk, scaleValue, headNum, selectedBlockSize, selectedBlockCount, atten_mask=mask,
+                actual_seq_qlen=cq, actual_seq_kvlen=ckv, sparse_mode=mode, backend="auto", validate=False,
+            )
 
         def store(res):
             out, m, l = res
@@ -832,12 +775,9 @@ def aclnnNsaSelectedAttentionGradGetWorkspaceSize(  # noqa: N802
         mode = _sparse_mode(sparseMode)
         device = _same_device(query=q, key=k, value=v, attentionOut=o, attentionOutGrad=do, softmaxMax=m,
                               softmaxSum=l, topkIndices=topk, attenMaskOptional=mask)
-        fn = _nsa().nsa_selected_attention_grad
-        kw = dict(scale_value=scaleValue, selected_block_size=selectedBlockSize,
-                  selected_block_count=selectedBlockCount, head_num=headNum, actual_seq_qlen=cq,
-                  actual_seq_kvlen=ckv, atten_mask=mask, sparse_mode=mode, input_layout="TND")
-        _dry_call(fn, _NSA_NAMES, q, k, v, o, do, m, l, topk, deterministic=False, **kw)
-        _qkv_ranks(query=q, key=k, value=v)
+        nsa = _nsa()
+        _validate(_NSA_NAMES, nsa._check_args, q, k, v, topk, scaleValue, headNum, selectedBlockSize,
+                  selectedBlockCount, mask, cq, ckv, mode, "TND", True, o, do, m, l, grad=True)
         outs = {
             "dqOut": _out("dqOut", dqOut, tuple(q.shape), q.dtype),
             "dkOut": _out("dkOut", dkOut, tuple(k.shape), k.dtype),
@@ -847,7 +787,12 @@ def aclnnNsaSelectedAttentionGradGetWorkspaceSize(  # noqa: N802
         ws = sum(_nbytes(t.shape, t.dtype) for t in (q, k, v))
 
         def call():
-            return fn(q, k, v, o, do, m, l, topk, deterministic=None, backend="auto", validate=True, **kw)
+            return nsa.nsa_selected_attention_grad(
+                q, k, v, o, do, m, l, topk, scale_value=scaleValue, selected_block_size=selectedBlockSize,
+                selected_block_count=selectedBlockCount, head_num=headNum, actual_seq_qlen=cq,
+                actual_seq_kvlen=ckv, atten_mask=mask, sparse_mode=mode, input_layout="TND",
+                deterministic=None, backend="auto", validate=False,
+            )
 
         def store(res):
             dq, dk, dv = res
