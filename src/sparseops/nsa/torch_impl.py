@@ -113,6 +113,11 @@ class _Plan:
         return rows.reshape(-1), vis.reshape(C * N2, 1, kc * bs), kc
 
 
+def _mask_bias(vis: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """``[BN, 1, KB]``: 0 on visible keys, -inf elsewhere, added by the score matmul itself."""
+    return torch.zeros(vis.shape, dtype=acc, device=vis.device).masked_fill_(~vis, float("-inf"))
+
+
 def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
     acc = _acc(q)
     T1, N1, Dqk = q.shape
@@ -137,8 +142,7 @@ def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
         vs = vb.index_select(0, rows).view(BN, kc * bs, Dv)
         qc = q[t0:t1].to(acc).reshape(BN, G, Dqk)
         # [BN, G, Kc*BS]
-        x = torch.baddbmm(qc.new_empty(()), qc, ks.transpose(1, 2), beta=0.0, alpha=scale)
-        x.masked_fill_(~vis, float("-inf"))
+        x = torch.baddbmm(_mask_bias(vis, acc), qc, ks.transpose(1, 2), alpha=scale)
         mx = x.amax(dim=-1, keepdim=True)
         mx = torch.where(mx == float("-inf"), 0.0, mx)
         x.sub_(mx).exp_()
@@ -155,10 +159,12 @@ def _accumulate(buf, rows, src, deterministic):
     """``buf[rows[i]] += src[i]`` over whole blocks. CPU ``index_add_`` adds in index order (reproducible);
     on CUDA the deterministic path uses ``index_put_(accumulate=True)``, which sorts the destinations and adds
     each one's contributions in a fixed order."""
+    flat = buf.view(buf.shape[0], -1)
+    src = src.reshape(src.shape[0], -1)
     if deterministic and buf.device.type != "cpu":
-        buf.index_put_((rows,), src, accumulate=True)
+        flat.index_put_((rows,), src, accumulate=True)
     else:
-        buf.index_add_(0, rows, src)
+        flat.index_add_(0, rows, src)
 
 
 def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, deterministic=False):
@@ -191,8 +197,8 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
         lc = l[t0:t1].to(acc).reshape(BN, G, 1)
         inv = torch.where(lc > 0, 1.0 / lc, 0.0)
         # [BN, G, KB]: P recomputed from the given stats, 0 on invisible keys
-        p = torch.baddbmm(qc.new_empty(()), qc, ks.transpose(1, 2), beta=0.0, alpha=scale)
-        p.masked_fill_(~vis, float("-inf")).sub_(mc).exp_().mul_(inv)
+        p = torch.baddbmm(_mask_bias(vis, acc), qc, ks.transpose(1, 2), alpha=scale)
+        p.sub_(mc).exp_().mul_(inv)
         # [BN, KB, Dv]
         dvs = torch.bmm(p.transpose(1, 2), dy)
         # [BN, G, KB]: dS = P * (dP - rowsum(dY * O))
