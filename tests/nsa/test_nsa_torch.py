@@ -193,6 +193,25 @@ def test_int64_topk_and_tensor_cu_seqlens():
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("union_waste", [0.0, float("inf")], ids=["per-token", "union"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=[CASES[0][0], CASES[1][0]])
+def test_both_layouts_match_reference(case, union_waste, monkeypatch):
+    # the torch backend picks a per-token or a union layout per chunk; force each one everywhere
+    from sparseops.nsa import torch_impl
+
+    monkeypatch.setattr(torch_impl, "UNION_WASTE", union_waste)
+    a = _inputs(case, torch.float64, seed=11)
+    q, k, v, kw = _split(a)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out, m, l = sparseops.nsa_selected_attention(q, k, v, backend="torch", **kw)
+    dout = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    out.backward(dout)
+    ref = _ref(a, dout)
+    for name, x, y in zip(("out", "m", "l", "dq", "dk", "dv"),
+                          (out, m[..., 0], l[..., 0], q.grad, k.grad, v.grad), ref):
+        assert_close(x, y, name=name)
+
+
 def test_small_chunks_give_the_same_result(monkeypatch):
     # forces many chunks (one token each) through the chunk loop, incl. chunks with nothing visible
     from sparseops.nsa import torch_impl

@@ -24,6 +24,8 @@ import torch
 
 #: bytes of gathered K and V per chunk (the backward holds about twice that again for dK_sel, dV_sel)
 CHUNK_BYTES = 32 * 2**20
+#: a chunk uses the union layout when it computes at most this many times the keys its tokens can see
+UNION_WASTE = 2.0
 
 
 def _acc(q: torch.Tensor) -> torch.dtype:
@@ -92,13 +94,28 @@ class _Plan:
         return live
 
     def chunk(self, t0, t1):
-        """Buffer rows ``[C*N2*Kc]`` of the live blocks and the key mask ``[C*N2, 1, Kc*BS]``; None if none."""
+        """The work of tokens ``[t0, t1)`` as a :class:`_Job`, or None when no token of them sees a key.
+
+        Two layouts, picked by the compute they cost: *per token* (batch = token x KV head, the G heads as rows,
+        that token's live blocks gathered: no wasted keys, but small matmuls and a gather per token) and *union*
+        (batch = KV head, rows = G heads x the chunk's tokens, keys = every block some token of the chunk
+        selected, gathered once: large matmuls, masked where a token did not pick the block). Union is used when
+        it computes at most :data:`UNION_WASTE` times the live slots' keys."""
         C, N2, bs = t1 - t0, self.N2, self.bs
         blk = self.topk[t0:t1]
         live = self._live_slots(t0, t1)
-        kc = int(live.sum(-1).max()) if C else 0
+        n_live = live.sum(-1)
+        kc = int(n_live.max()) if C else 0
         if kc == 0:
             return None
+        # union of live blocks per KV head, as indices into that head's [NB] blocks
+        gblk = torch.where(live, self.base[t0:t1, None, None] + blk, 0)
+        mark = torch.zeros(N2, self.NB, dtype=torch.bool, device=blk.device)
+        head = torch.arange(N2, device=blk.device)[None, :, None].expand_as(gblk)
+        mark[head[live], gblk[live]] = True
+        U = int(mark.sum(-1).max())
+        if U * C * N2 <= UNION_WASTE * int(n_live.sum()):
+            return self._union_job(t0, t1, live, gblk, mark, U)
         if kc < self.K or not bool(live.all()):
             order = torch.sort(live.to(torch.uint8), dim=-1, descending=True, stable=True).indices[..., :kc]
             blk = blk.gather(-1, order)
@@ -108,14 +125,74 @@ class _Plan:
         vis = live[..., None] & (p < self.s2[t0:t1, None, None, None])
         if self.causal:
             vis &= p <= self.s1[t0:t1, None, None, None]
-        head = torch.arange(N2, device=blk.device)[None, :, None] * self.NB
-        rows = torch.where(live, self.base[t0:t1, None, None] + blk, 0) + head
-        return rows.reshape(-1), vis.reshape(C * N2, 1, kc * bs), kc
+        rows = torch.where(live, self.base[t0:t1, None, None] + blk, 0) + head[..., :kc] * self.NB
+        return _Job(self, C, C * N2, 1, rows.reshape(-1), kc, vis.reshape(C * N2, 1, 1, kc * bs), None)
+
+    def _union_job(self, t0, t1, live, gblk, mark, U):
+        C, N2, bs = t1 - t0, self.N2, self.bs
+        dev = gblk.device
+        # [N2, U]: the selected blocks first, ascending (a stable sort of the marks), padded with unselected ones
+        ublk = torch.sort(mark.to(torch.uint8), dim=-1, descending=True, stable=True).indices[:, :U]
+        where_u = torch.cumsum(mark, dim=-1) - 1
+        heads = torch.arange(N2, device=dev)
+        # [C, N2, U]: how many live slots of the token pick each union block (a duplicate id counts twice)
+        uidx = where_u[heads[None, :, None], gblk]
+        cnt = torch.zeros(C, N2, U, dtype=torch.int64, device=dev)
+        cnt.scatter_add_(2, torch.where(live, uidx, 0), live.to(torch.int64))
+        # [C, N2, U, BS] in-sequence position of each key for each token (meaningful where cnt > 0)
+        p = (ublk[None] - self.base[t0:t1, None, None])[..., None] * bs + torch.arange(bs, device=dev)
+        vis = (cnt > 0)[..., None] & (p < self.s2[t0:t1, None, None, None])
+        if self.causal:
+            vis &= p <= self.s1[t0:t1, None, None, None]
+        mult = None
+        if bool((cnt > 1).any()):
+            mult = (cnt[..., None] * vis).permute(1, 0, 2, 3).reshape(N2, 1, C, U * bs)
+        rows = (ublk + heads[:, None] * self.NB).reshape(-1)
+        return _Job(self, C, N2, C, rows, U, vis.permute(1, 0, 2, 3).reshape(N2, 1, C, U * bs), mult)
 
 
-def _mask_bias(vis: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """``[BN, 1, KB]``: 0 on visible keys, -inf elsewhere, added by the score matmul itself."""
-    return torch.zeros(vis.shape, dtype=acc, device=vis.device).masked_fill_(~vis, float("-inf"))
+class _Job:
+    """One chunk's work: ``BB`` batches of ``G*R`` query rows against ``nblk*BS`` gathered keys.
+
+    ``rows``: block-buffer rows to gather, ``[BB * nblk]``; ``vis``: ``[BB, 1, R, KB]`` key visibility;
+    ``mult``: ``[BB, 1, R, KB]`` key multiplicity (union layout with repeated ids) or None."""
+
+    def __init__(self, plan, C, BB, R, rows, nblk, vis, mult):
+        self.plan, self.C, self.BB, self.R, self.rows, self.nblk = plan, C, BB, R, rows, nblk
+        self.KB = nblk * plan.bs
+        self.vis, self.mult = vis, mult
+
+    def to_rows(self, x):
+        """``[C, N1, F]`` -> ``[BB, G*R, F]``."""
+        C, N2, G, F = self.C, self.plan.N2, self.plan.G, x.shape[-1]
+        if self.R == 1:
+            return x.reshape(self.BB, G, F)
+        return x.reshape(C, N2, G, F).permute(1, 2, 0, 3).reshape(N2, G * C, F)
+
+    def from_rows(self, y):
+        """``[BB, G*R, F]`` -> ``[C, N1, F]``."""
+        C, N2, G, F = self.C, self.plan.N2, self.plan.G, y.shape[-1]
+        if self.R == 1:
+            return y.reshape(C, N2 * G, F)
+        return y.reshape(N2, G, C, F).permute(2, 0, 1, 3).reshape(C, N2 * G, F)
+
+    def gather(self, buf):
+        return buf.index_select(0, self.rows).view(self.BB, self.KB, buf.shape[-1])
+
+    def scores(self, qc, ks, scale):
+        """``[BB, G*R, KB]``: ``scale * q.k`` with -inf on invisible keys."""
+        bias = torch.zeros(self.vis.shape, dtype=qc.dtype, device=qc.device).masked_fill_(~self.vis, float("-inf"))
+        if self.R == 1:
+            return torch.baddbmm(bias.view(self.BB, 1, self.KB), qc, ks.transpose(1, 2), alpha=scale)
+        x = torch.bmm(qc, ks.transpose(1, 2)).mul_(scale)
+        x.view(self.BB, self.plan.G, self.R, self.KB).add_(bias)
+        return x
+
+    def weigh(self, e):
+        """Apply key multiplicities to ``exp`` values (in place)."""
+        if self.mult is not None:
+            e.view(self.BB, self.plan.G, self.R, self.KB).mul_(self.mult.to(e.dtype))
+        return e
 
 
 def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
@@ -123,7 +200,6 @@ def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
     T1, N1, Dqk = q.shape
     Dv = v.shape[2]
     plan = _Plan(q, k, topk, bs, cu_q, cu_kv, causal)
-    N2, G = plan.N2, plan.G
     out = torch.zeros(T1, N1, Dv, dtype=q.dtype, device=q.device)
     m = torch.zeros(T1, N1, dtype=acc, device=q.device)
     l = torch.zeros(T1, N1, dtype=acc, device=q.device)
@@ -133,25 +209,20 @@ def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
     vb = plan.to_blocks(v, acc)
     elt = torch.finfo(acc).bits // 8
     for t0, t1 in plan.chunks((Dqk + Dv) * elt):
-        ch = plan.chunk(t0, t1)
-        if ch is None:
+        job = plan.chunk(t0, t1)
+        if job is None:
             continue
-        rows, vis, kc = ch
-        BN = (t1 - t0) * N2
-        ks = kb.index_select(0, rows).view(BN, kc * bs, Dqk)
-        vs = vb.index_select(0, rows).view(BN, kc * bs, Dv)
-        qc = q[t0:t1].to(acc).reshape(BN, G, Dqk)
-        # [BN, G, Kc*BS]
-        x = torch.baddbmm(_mask_bias(vis, acc), qc, ks.transpose(1, 2), alpha=scale)
+        ks, vs = job.gather(kb), job.gather(vb)
+        # [BB, G*R, KB]
+        x = job.scores(job.to_rows(q[t0:t1].to(acc)), ks, scale)
         mx = x.amax(dim=-1, keepdim=True)
         mx = torch.where(mx == float("-inf"), 0.0, mx)
-        x.sub_(mx).exp_()
+        job.weigh(x.sub_(mx).exp_())
         sm = x.sum(dim=-1, keepdim=True)
         inv = torch.where(sm > 0, 1.0 / sm, 0.0)
-        o = torch.bmm(x, vs).mul_(inv)
-        out[t0:t1] = o.view(t1 - t0, N1, Dv).to(q.dtype)
-        m[t0:t1] = mx.view(t1 - t0, N1)
-        l[t0:t1] = sm.view(t1 - t0, N1)
+        out[t0:t1] = job.from_rows(torch.bmm(x, vs).mul_(inv)).to(q.dtype)
+        m[t0:t1] = job.from_rows(mx)[..., 0]
+        l[t0:t1] = job.from_rows(sm)[..., 0]
     return out, m, l
 
 
@@ -172,7 +243,6 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     T1, N1, Dqk = q.shape
     Dv = v.shape[2]
     plan = _Plan(q, k, topk, bs, cu_q, cu_kv, causal)
-    N2, G = plan.N2, plan.G
     dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     if T1 == 0 or plan.NB == 0:
         return dq, torch.zeros_like(k), torch.zeros_like(v)
@@ -182,31 +252,26 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     dvb = torch.zeros_like(vb)
     elt = torch.finfo(acc).bits // 8
     for t0, t1 in plan.chunks((Dqk + Dv) * elt * 2):
-        ch = plan.chunk(t0, t1)
-        if ch is None:
+        job = plan.chunk(t0, t1)
+        if job is None:
             continue
-        rows, vis, kc = ch
-        C = t1 - t0
-        BN, KB = C * N2, kc * bs
-        ks = kb.index_select(0, rows).view(BN, KB, Dqk)
-        vs = vb.index_select(0, rows).view(BN, KB, Dv)
-        qc = q[t0:t1].to(acc).reshape(BN, G, Dqk)
-        dy = dout[t0:t1].to(acc).reshape(BN, G, Dv)
-        o = out[t0:t1].to(acc).reshape(BN, G, Dv)
-        mc = m[t0:t1].to(acc).reshape(BN, G, 1)
-        lc = l[t0:t1].to(acc).reshape(BN, G, 1)
+        ks, vs = job.gather(kb), job.gather(vb)
+        qc = job.to_rows(q[t0:t1].to(acc))
+        dy = job.to_rows(dout[t0:t1].to(acc))
+        o = job.to_rows(out[t0:t1].to(acc))
+        mc = job.to_rows(m[t0:t1, :, None].to(acc))
+        lc = job.to_rows(l[t0:t1, :, None].to(acc))
         inv = torch.where(lc > 0, 1.0 / lc, 0.0)
-        # [BN, G, KB]: P recomputed from the given stats, 0 on invisible keys
-        p = torch.baddbmm(_mask_bias(vis, acc), qc, ks.transpose(1, 2), alpha=scale)
-        p.sub_(mc).exp_().mul_(inv)
-        # [BN, KB, Dv]
+        # [BB, G*R, KB]: P recomputed from the given stats, 0 on invisible keys
+        p = job.weigh(job.scores(qc, ks, scale).sub_(mc).exp_()).mul_(inv)
+        # [BB, KB, Dv]
         dvs = torch.bmm(p.transpose(1, 2), dy)
-        # [BN, G, KB]: dS = P * (dP - rowsum(dY * O))
+        # [BB, G*R, KB]: dS = P * (dP - rowsum(dY * O))
         ds = torch.bmm(dy, vs.transpose(1, 2))
         ds.sub_((dy * o).sum(dim=-1, keepdim=True)).mul_(p)
-        dq[t0:t1] = torch.bmm(ds, ks).mul_(scale).view(C, N1, Dqk).to(q.dtype)
-        # [BN, KB, Dqk]
-        dks = torch.baddbmm(qc.new_empty(()), ds.transpose(1, 2), qc, beta=0.0, alpha=scale)
-        _accumulate(dkb, rows, dks.view(-1, bs, Dqk), deterministic)
-        _accumulate(dvb, rows, dvs.view(-1, bs, Dv), deterministic)
+        dq[t0:t1] = job.from_rows(torch.bmm(ds, ks).mul_(scale)).to(q.dtype)
+        # [BB, KB, Dqk]
+        dks = torch.bmm(ds.transpose(1, 2), qc).mul_(scale)
+        _accumulate(dkb, job.rows, dks.view(-1, bs, Dqk), deterministic)
+        _accumulate(dvb, job.rows, dvs.view(-1, bs, Dv), deterministic)
     return dq, plan.from_blocks(dkb, k.dtype), plan.from_blocks(dvb, v.dtype)
