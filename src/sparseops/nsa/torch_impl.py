@@ -179,12 +179,12 @@ class _Job:
     def gather(self, buf):
         return buf.index_select(0, self.rows).view(self.BB, self.KB, buf.shape[-1])
 
-    def scores(self, qc, ks, scale):
-        """``[BB, G*R, KB]``: ``scale * q.k`` with -inf on invisible keys."""
-        bias = torch.zeros(self.vis.shape, dtype=qc.dtype, device=qc.device).masked_fill_(~self.vis, float("-inf"))
+    def scores(self, qs, ks):
+        """``[BB, G*R, KB]``: ``qs.k`` (``qs`` = the scaled queries) with -inf on invisible keys."""
+        bias = torch.zeros(self.vis.shape, dtype=qs.dtype, device=qs.device).masked_fill_(~self.vis, float("-inf"))
         if self.R == 1:
-            return torch.baddbmm(bias.view(self.BB, 1, self.KB), qc, ks.transpose(1, 2), alpha=scale)
-        x = torch.bmm(qc, ks.transpose(1, 2)).mul_(scale)
+            return torch.baddbmm(bias.view(self.BB, 1, self.KB), qs, ks.transpose(1, 2))
+        x = torch.bmm(qs, ks.transpose(1, 2))
         x.view(self.BB, self.plan.G, self.R, self.KB).add_(bias)
         return x
 
@@ -214,7 +214,7 @@ def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
             continue
         ks, vs = job.gather(kb), job.gather(vb)
         # [BB, G*R, KB]
-        x = job.scores(job.to_rows(q[t0:t1].to(acc)), ks, scale)
+        x = job.scores(job.to_rows(q[t0:t1].to(acc) * scale), ks)
         mx = x.amax(dim=-1, keepdim=True)
         mx = torch.where(mx == float("-inf"), 0.0, mx)
         job.weigh(x.sub_(mx).exp_())
@@ -256,14 +256,14 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
         if job is None:
             continue
         ks, vs = job.gather(kb), job.gather(vb)
-        qc = job.to_rows(q[t0:t1].to(acc))
+        qs = job.to_rows(q[t0:t1].to(acc) * scale)
         dy = job.to_rows(dout[t0:t1].to(acc))
         o = job.to_rows(out[t0:t1].to(acc))
         mc = job.to_rows(m[t0:t1, :, None].to(acc))
         lc = job.to_rows(l[t0:t1, :, None].to(acc))
         inv = torch.where(lc > 0, 1.0 / lc, 0.0)
         # [BB, G*R, KB]: P recomputed from the given stats, 0 on invisible keys
-        p = job.weigh(job.scores(qc, ks, scale).sub_(mc).exp_()).mul_(inv)
+        p = job.weigh(job.scores(qs, ks).sub_(mc).exp_()).mul_(inv)
         # [BB, KB, Dv]
         dvs = torch.bmm(p.transpose(1, 2), dy)
         # [BB, G*R, KB]: dS = P * (dP - rowsum(dY * O))
@@ -271,7 +271,7 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
         ds.sub_((dy * o).sum(dim=-1, keepdim=True)).mul_(p)
         dq[t0:t1] = job.from_rows(torch.bmm(ds, ks).mul_(scale)).to(q.dtype)
         # [BB, KB, Dqk]
-        dks = torch.bmm(ds.transpose(1, 2), qc).mul_(scale)
+        dks = torch.bmm(ds.transpose(1, 2), qs)
         _accumulate(dkb, job.rows, dks.view(-1, bs, Dqk), deterministic)
         _accumulate(dvb, job.rows, dvs.view(-1, bs, Dv), deterministic)
     return dq, plan.from_blocks(dkb, k.dtype), plan.from_blocks(dvb, v.dtype)
