@@ -8,8 +8,10 @@ inside a chunk everything is batched, with no Python loop over tokens:
    buffer and ``topk`` ids turn into buffer rows with one add;
 2. per chunk, the slots that can see nothing (``-1``, or causal blocks that start after the query) are moved
    to the end of each row and the chunk keeps only ``Kc`` = the largest count of live slots;
-3. the live blocks are gathered with one ``index_select`` each for K and V into ``[C*N2, Kc*BS, D]`` and the
-   ``G`` query heads of a KV head become the rows of batched matmuls over ``C*N2``;
+3. each chunk runs in a *per token* layout (batch = token x KV head, rows = its G heads, keys = its live
+   blocks) or a *union* layout (batch = KV head, rows = G heads x the chunk's tokens, keys = every block the
+   chunk selected, masked per token), whichever computes less (see :meth:`_Plan.chunk`); either way the
+   blocks are gathered once per chunk with a row gather and the products are batched matmuls;
 4. the masked softmax fills invisible keys with ``-inf``, a row with no visible key gives ``out = 0``,
    ``m = 0``, ``l = 0`` (no NaN);
 5. the backward adds ``dK_sel`` / ``dV_sel`` blockwise into ``dk`` / ``dv`` in the block buffer layout
@@ -61,21 +63,23 @@ class _Plan:
         kv_lens = torch.tensor(lens_kv, dtype=torch.int64)
         kseq = torch.repeat_interleave(torch.arange(B), kv_lens, output_size=self.T2)
         kpos = torch.arange(self.T2) - torch.tensor(cu_kv[:-1], dtype=torch.int64)[kseq]
-        self.key_row = (torch.tensor(blk_base, dtype=torch.int64)[kseq] * bs + kpos).to(dev)
+        key_row = torch.tensor(blk_base, dtype=torch.int64)[kseq] * bs + kpos
+        # [N2 * T2]: rows of the 2-D buffer [N2 * NB * BS, D] for k.transpose(0, 1) flattened
+        self.key_row = (torch.arange(self.N2)[:, None] * (self.NB * bs) + key_row[None, :]).reshape(-1).to(dev)
         self.topk = topk.to(dev, torch.int64)
 
     def to_blocks(self, x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
         """``[T2, N2, D]`` -> block buffer ``[N2 * NB, BS, D]`` in ``acc`` (zero padding past each sequence)."""
         D = x.shape[2]
-        buf = x.new_zeros((self.N2, self.NB * self.bs, D), dtype=acc)
-        buf.index_copy_(1, self.key_row, x.transpose(0, 1).to(acc))
+        buf = x.new_zeros((self.N2 * self.NB * self.bs, D), dtype=acc)
+        buf.index_copy_(0, self.key_row, x.transpose(0, 1).reshape(-1, D).to(acc))
         return buf.view(self.N2 * self.NB, self.bs, D)
 
     def from_blocks(self, buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Inverse of :meth:`to_blocks`: ``[N2 * NB, BS, D]`` -> ``[T2, N2, D]`` in ``dtype``."""
         D = buf.shape[2]
-        rows = buf.view(self.N2, self.NB * self.bs, D).index_select(1, self.key_row)
-        return rows.transpose(0, 1).to(dtype).contiguous()
+        rows = torch.nn.functional.embedding(self.key_row, buf.view(-1, D))
+        return rows.view(self.N2, self.T2, D).transpose(0, 1).to(dtype).contiguous()
 
     def chunks(self, bytes_per_key: int):
         """Token ranges whose gathered K/V stay within :data:`CHUNK_BYTES`, sized by the live-slot count."""
@@ -177,7 +181,9 @@ class _Job:
         return y.reshape(N2, G, C, F).permute(2, 0, 1, 3).reshape(C, N2 * G, F)
 
     def gather(self, buf):
-        return buf.index_select(0, self.rows).view(self.BB, self.KB, buf.shape[-1])
+        # a row gather on the 2-D view copies whole blocks (a 3-D index_select goes element by element on CPU)
+        flat = torch.nn.functional.embedding(self.rows, buf.view(buf.shape[0], -1))
+        return flat.view(self.BB, self.KB, buf.shape[-1])
 
     def scores(self, qs, ks):
         """``[BB, G*R, KB]``: ``qs.k`` (``qs`` = the scaled queries) with -inf on invisible keys."""
