@@ -41,7 +41,8 @@ def test_opcheck_forward_op():
     torch.library.opcheck(_bwd_op, bargs, test_utils=("test_schema", "test_faketensor"))
 
 
-def test_compile_fullgraph_matches_eager():
+@pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
+def test_compile_fullgraph_matches_eager(compile_backend):
     a = make_nsa_inputs([6, 0, 11], [9, 4, 30], N1=4, N2=2, Dqk=16, Dv=8, bs=16, K=2, dtype=torch.float32,
                         empty_frac=0.2, seed=4)
     q, k, v = (a.pop(n) for n in ("query", "key", "value"))
@@ -51,7 +52,7 @@ def test_compile_fullgraph_matches_eager():
         return out * 2.0 + 1.0, m, l
 
     torch._dynamo.reset()
-    cf = torch.compile(f, fullgraph=True, backend="aot_eager")
+    cf = torch.compile(f, fullgraph=True, backend=compile_backend)
     res = []
     for fn in (f, cf):
         qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
