@@ -6,7 +6,7 @@
     python benchmarks/gpu_nsa.py --compile-check  # Hopper cubins without a GPU: registers and spills
 
 First checks correctness (Triton vs the float64 reference on a tiny shape, and vs a dense fp32 gather
-implementation with autograd on a moderate shape; aborts if wrong), then times each op with
+implementation with autograd and the torch backend on a moderate shape; aborts if wrong), then times each op with
 ``triton.testing.do_bench`` (median) and reports TFLOP/s on *visible-key* FLOPs:
 forward ``2 * (Dqk + Dv) * G * visible (token, key) pairs``, backward 2.5x that, and the ratio to a
 bf16 matmul measured in the same run. fla-core's ``parallel_nsa`` is timed when installed (it needs G a
@@ -164,6 +164,17 @@ def check_dense(device, T, G, dtype, Dqk, Dv, bs, K, N2):
         testing.assert_close(y, w.grad, dtype, f"{name} deterministic (T={T}, G={G})")
         if not torch.equal(y, z):
             raise AssertionError(f"{name}: deterministic backward differs between two calls")
+    try:
+        from sparseops.nsa import torch_impl
+    except ImportError:
+        return
+    # the torch backend on the same (upcast) inputs: a second, independent implementation
+    up = [t.detach().float() for t in (q, k, v)]
+    t_out, _, _ = torch_impl.forward(*up, topk, sc, bs, cu, cu, True)
+    testing.assert_close(out, t_out, dtype, f"out vs torch_impl (T={T}, G={G})")
+    tg = torch_impl.backward(*up, t_out, dout.float(), m, l, topk, sc, bs, cu, cu, True)
+    for name, x, y in zip(("dq", "dk", "dv"), gs, tg):
+        testing.assert_close(x, y, dtype, f"{name} vs torch_impl (T={T}, G={G})")
 
 
 # ------------------------------------------------------------------------------------------------------------
