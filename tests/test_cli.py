@@ -253,10 +253,11 @@ def run(quick=False, smoke=False, out=None):
     (out / "moe.png").write_bytes(b"png")
     return rec
 
-def print_table(rec):
-    print("H | ours ms | peer ms | mode")
+def markdown_table(rec):
+    lines = ["H | ours ms | peer ms | mode"]
     for r in rec["rows"]:
-        print(f"{{r['H']}} | {{r['ours ms']}} | {{r['peer ms']}} | {{rec['mode']}}")
+        lines.append(f"{{r['H']}} | {{r['ours ms']}} | {{r['peer ms']}} | {{rec['mode']}}")
+    return "\\n".join(lines)
 """
 
 

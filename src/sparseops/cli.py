@@ -735,13 +735,17 @@ _PATH_KEYS = ("json", "png", "csv", "path", "paths", "files", "written")
 
 def summarize_bench(name: str, result, mod=None) -> list[str]:
     """Print-ready lines for one benchmark's ``run`` result: its side-by-side table (the script's own
-    ``print_table`` when it has one), the correctness gate, and any file paths the result names."""
+    ``markdown_table(record) -> str`` or ``print_table(record)`` when it has one, else the rows), the
+    correctness gate, and any file paths the result names."""
     lines = [f"== benchmarks/{name}.py"]
     if not isinstance(result, dict):
         lines.append(str(result))
         return lines
+    formatter = next((getattr(mod, n) for n in ("markdown_table", "format_table") if callable(getattr(mod, n, None))), None)
     printer = getattr(mod, "print_table", None)
-    if callable(printer):
+    if formatter is not None:
+        lines += str(formatter(result)).rstrip("\n").splitlines()
+    elif callable(printer):
         import contextlib
         import io
 
