@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Sequence
 
 import torch
 
@@ -21,6 +22,9 @@ from .._varlen import normalize_cu_seqlens, token_seq_positions
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
 STAT_LANES = 8
+
+#: CANN cumulative sequence lengths, without the leading 0
+SeqLens = Sequence[int] | torch.Tensor
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -264,22 +268,22 @@ _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def nsa_selected_attention(
-    query,
-    key,
-    value,
-    topk_indices,
-    scale_value,
-    head_num,
-    selected_block_size,
-    selected_block_count,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    topk_indices: torch.Tensor,
+    scale_value: float,
+    head_num: int,
+    selected_block_size: int,
+    selected_block_count: int,
     *,
-    atten_mask=None,
-    actual_seq_qlen=None,
-    actual_seq_kvlen=None,
-    sparse_mode=0,
-    backend="auto",
-    validate=True,
-):
+    atten_mask: torch.Tensor | None = None,
+    actual_seq_qlen: SeqLens | None = None,
+    actual_seq_kvlen: SeqLens | None = None,
+    sparse_mode: int = 0,
+    backend: str = "auto",
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NSA selected-block attention forward (spec/nsa.md §3), differentiable in query, key and value.
 
     Query token ``t`` (sequence ``b``, in-sequence position ``s1``) and query head ``h = n2*G + g`` attend the
@@ -324,28 +328,28 @@ def nsa_selected_attention(
 
 
 def nsa_selected_attention_grad(
-    query,
-    key,
-    value,
-    attention_out,
-    attention_out_grad,
-    softmax_max,
-    softmax_sum,
-    topk_indices,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_out: torch.Tensor,
+    attention_out_grad: torch.Tensor,
+    softmax_max: torch.Tensor,
+    softmax_sum: torch.Tensor,
+    topk_indices: torch.Tensor,
     *,
-    scale_value,
-    selected_block_size,
-    selected_block_count,
-    head_num,
-    actual_seq_qlen=None,
-    actual_seq_kvlen=None,
-    atten_mask=None,
-    sparse_mode=0,
-    input_layout="TND",
-    deterministic=None,
-    backend="auto",
-    validate=True,
-):
+    scale_value: float,
+    selected_block_size: int,
+    selected_block_count: int,
+    head_num: int,
+    actual_seq_qlen: SeqLens | None = None,
+    actual_seq_kvlen: SeqLens | None = None,
+    atten_mask: torch.Tensor | None = None,
+    sparse_mode: int = 0,
+    input_layout: str = "TND",
+    deterministic: bool | None = None,
+    backend: str = "auto",
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NSA selected attention backward, the CANN ``NsaSelectedAttentionGrad`` op (spec/nsa.md §4).
 
     With ``P = exp(x - m) / l`` recomputed on the visible keys from lane 0 of the given stats and
