@@ -7,11 +7,14 @@ inside a chunk everything is batched, with no Python loop over tokens:
    all sequences, each sequence's last block zero-padded), so a selected block is one contiguous row of the
    buffer and ``topk`` ids turn into buffer rows with one add;
 2. per chunk, the slots that can see nothing (``-1``, or causal blocks that start after the query) are dropped;
-3. *block-centric layout*: the chunk's live slots are sorted by (KV head, block) and cut into *tiles* of ``M``
-   slots that share one block (the last tile of a block padded with empty rows); a tile's rows are the G query
-   heads of its M tokens, so every product is one batched matmul over tiles: ``[M*G, Dqk] x [Dqk, BS]``
-   for the scores, ``[M*G, BS] x [BS, Dv]`` for ``P V``; ``dV`` and ``dK`` come out per tile and are added
-   blockwise into the block buffer;
+3. a chunk whose tokens pick overlapping blocks (it computes at most :data:`UNION_WASTE` times its live keys)
+   runs in the *union layout*: batch = KV head, rows = G heads x the chunk's tokens, keys = every block some
+   token of the chunk selected, masked per token (large matmuls, some wasted keys, no per-slot copies);
+   every other chunk runs in the *block-centric layout*: the chunk's live slots are sorted by (KV head, block)
+   and cut into *tiles* of ``M`` slots that share one block (the last tile of a block padded with empty rows);
+   a tile's rows are the G query heads of its M tokens, so every product is one batched matmul over tiles:
+   ``[M*G, Dqk] x [Dqk, BS]`` for the scores, ``[M*G, BS] x [BS, Dv]`` for ``P V``; ``dV`` and ``dK`` come
+   out per tile and are added blockwise into the block buffer;
 4. the softmax is split like flash-decoding: each slot row gives its max, ``sum exp`` and unnormalised
    ``P V``; a token combines its slots by a gather over its slot rows (fixed slot order: deterministic), the
    same way ``dQ`` sums its slots. A duplicated block id is two slots, so it counts twice;
@@ -125,7 +128,9 @@ class _Plan:
         return live
 
     def chunk(self, t0, t1):
-        """The tiles of tokens ``[t0, t1)`` as a :class:`_Job`, or None when no token of them sees a key."""
+        """The work of tokens ``[t0, t1)``: a :class:`_UnionJob` when the union of their blocks costs at most
+        :data:`UNION_WASTE` times their live keys, else their tiles as a :class:`_Job`; None when no token of
+        them sees a key."""
         C, N2, bs, dev = t1 - t0, self.N2, self.bs, self.topk.device
         blk = self.topk[t0:t1]
         live = self._live_slots(t0, t1)
