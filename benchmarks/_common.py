@@ -54,7 +54,28 @@ def make_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help=f"results folder (default {RESULTS_DIR})")
     p.add_argument("--no-peers", action="store_true", help="skip the peer libraries")
     p.add_argument("--no-plot", action="store_true", help="do not draw the PNG chart")
+    p.add_argument("--peer-budget", type=float, default=None, metavar="S",
+                   help="skip a slow peer's call when it is estimated to take more than S seconds")
+    p.add_argument("--report", action="store_true", help="print the last recorded run as Markdown, run nothing")
+    p.add_argument("--profile", action="store_true",
+                   help="profile ours on one benchmark shape with torch.profiler and print the top operators")
     return p
+
+
+def last_record(path: Path) -> dict:
+    runs = json.loads(Path(path).read_text())
+    return runs[-1] if isinstance(runs, list) else runs
+
+
+def profile_table(fn: Callable[[], object], *, row_limit: int = 15) -> str:
+    """torch.profiler's operator table (self CPU time) for a few calls of ``fn`` after one warm-up."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(3):
+            fn()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -270,28 +270,47 @@ def run(quick: bool = False, smoke: bool = False, out: Path | str | None = None,
     return record
 
 
-def print_table(record: dict) -> None:
-    f = record["floors"]
-    print(f"copy bandwidth {f['copy_bandwidth_Bps'] / 1e9:.2f} GB/s (read+write); "
-          f"matmul fp32 {f['matmul_fp32_flops'] / 1e9:.1f} GFLOP/s, bf16 {f['matmul_bf16_flops'] / 1e9:.1f} GFLOP/s")
-    hdr = ("H", "dtype", "window", "R", "ours ms", "floor ms", "x floor", "Meg bwd ms", "speedup",
-           "ours f+b ms", "Meg f+b ms", "ours peak", "Meg bwd peak")
-    print(" | ".join(hdr))
+def markdown_table(record: dict) -> str:
+    """The run as Markdown: the floors, then one table row per configuration."""
+    f, env = record["floors"], record["env"]
+    lines = [
+        f"{env['date_utc']}, {env['cpu_model']}, {env['cpu_count']} cores ({env['torch_threads']} torch threads), "
+        f"torch {env['torch']}, commit {env['git_commit']}, load average at start {env.get('loadavg_start')}",
+        "",
+        f"Floors measured in the run: copy {f['copy_bandwidth_Bps'] / 1e9:.2f} GB/s (read + write), matmul fp32 "
+        f"{f['matmul_fp32_flops'] / 1e9:.1f} GFLOP/s, bf16 {f['matmul_bf16_flops'] / 1e9:.1f} GFLOP/s.",
+        "",
+    ]
+    hdr = ("H", "dtype", "window", "R", "ours ms", "floor ms", "ours / floor", "Megatron bwd ms", "speedup",
+           "ours fwd+bwd ms", "Megatron fwd+bwd ms", "ours peak", "Megatron bwd peak", "goals (2x, 2.5x floor)")
+    lines += ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
     for r in record["rows"]:
         def ms(key, r=r):
-            return f"{r[key] * 1e3:.2f}" if r.get(key) is not None else "-"
+            return f"{r[key] * 1e3:.1f}" if r.get(key) is not None else "-"
 
         sp = f"{r['speedup_vs_megatron_bwd']:.2f}x" if r.get("speedup_vs_megatron_bwd") else "-"
-        print(" | ".join([str(r["H"]), r["dtype"], r["window"], str(r["R"]), ms("ours_s"), ms("floor_s"),
-                          f"{r['ours_over_floor']:.2f}", ms("megatron_bwd_s"), sp, ms("ours_fwdbwd_s"),
-                          ms("megatron_fwdbwd_s"), C.fmt_bytes(r.get("ours_peak_bytes")),
-                          C.fmt_bytes(r.get("megatron_bwd_peak_bytes"))]))
+        goals = ("met" if r.get("goal_speedup_met") else ("missed" if "goal_speedup_met" in r else "n/a")) + \
+            ", " + ("met" if r["goal_floor_met"] else "missed")
+        cells = [str(r["H"]), r["dtype"], f"{r['window']} [{r['s']}, {r['e']})", str(r["R"]), ms("ours_s"),
+                 ms("floor_s"), f"{r['ours_over_floor']:.2f}", ms("megatron_bwd_s"), sp, ms("ours_fwdbwd_s"),
+                 ms("megatron_fwdbwd_s"), C.fmt_bytes(r.get("ours_peak_bytes")),
+                 C.fmt_bytes(r.get("megatron_bwd_peak_bytes")), goals]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    args = C.make_parser(__doc__.splitlines()[0]).parse_args(argv)
+    parser = C.make_parser(__doc__.splitlines()[0])
+    args = parser.parse_args(argv)
+    if args.report:
+        print(markdown_table(C.last_record(args.out / "moe.json")))
+        return 0
+    if args.profile:
+        case = build_case(_configs(args.quick, args.smoke)[0])
+        print(C.profile_table(lambda: ours_grad(case)))
+        return 0
     record = run(quick=args.quick, smoke=args.smoke, out=args.out, peers=not args.no_peers, plot=not args.no_plot)
-    print_table(record)
+    print(markdown_table(record))
     return 0
 
 

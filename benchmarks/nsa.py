@@ -164,16 +164,26 @@ def _time_seed_backward(case: dict, timing: dict) -> dict:
             "ours_bwd_peak_bytes": C.peak_memory(lambda: ours_bwd(case, out, m, l))}
 
 
-#: (visible pairs, seconds) of each fla call measured in this process, to skip calls that would take too long
+#: (T*K, seconds) of each fla call measured in this process, to skip calls that would take too long. fla
+#: gathers all K*bs keys of every query, visible or not, so its cost grows with T*K.
 _FLA_SPEED: list[tuple[int, float]] = []
 
 
-def fla_estimate_s(row: dict) -> float | None:
-    """fla's time for this shape, extrapolated linearly in visible pairs from the largest shape measured."""
+def fla_estimate_s(naive, case: dict) -> float:
+    """fla's fwd+bwd time for this shape, extrapolated linearly in T*K from the largest call measured so far
+    (or from a probe on the first 64 tokens: a causal prefix is a smaller instance of the same problem)."""
+    cfg = case["cfg"]
     if not _FLA_SPEED:
-        return None
-    pairs, secs = max(_FLA_SPEED)
-    return secs * row["visible_pairs"] / pairs
+        n = min(cfg["T"], 64)
+        inp = dict(case["inp"])
+        for name in ("query", "key", "value", "topk_indices"):
+            inp[name] = inp[name][:n]
+        probe = {"cfg": cfg, "inp": inp, "dout": case["dout"][:n]}
+        t0 = time.perf_counter()
+        fla_fwdbwd(naive, probe)
+        _FLA_SPEED.append((n * cfg["K"], time.perf_counter() - t0))
+    work, secs = max(_FLA_SPEED)
+    return secs * cfg["T"] * cfg["K"] / work
 
 
 def bench_case(case: dict, floors: dict, naive, *, quick: bool, smoke: bool, fla_budget_s: float = 60.0) -> dict:
@@ -214,8 +224,8 @@ def bench_case(case: dict, floors: dict, naive, *, quick: bool, smoke: bool, fla
     row["ours_peak_bytes_per_token"] = (row["ours_fwdbwd_peak_bytes"] / T) if row["ours_fwdbwd_peak_bytes"] else None
 
     if naive is not None:
-        est = fla_estimate_s(row)
-        if est is not None and est > fla_budget_s:
+        est = row["fla_estimated_s"] = fla_estimate_s(naive, case)
+        if est > fla_budget_s:
             row["fla_skipped"] = f"estimated {est:.0f} s per call > budget {fla_budget_s:.0f} s"
             naive = None
     if naive is not None:
@@ -237,7 +247,7 @@ def bench_case(case: dict, floors: dict, naive, *, quick: bool, smoke: bool, fla
             n = 1 if first > 3.0 or smoke else 3
             t = C.median_time(lambda: fla_fwdbwd(naive, case), warmup=0, min_runs=n, max_runs=n, budget_s=0.0)
             row.update(fla_fwdbwd_s=t["median_s"], fla_fwdbwd_iqr_s=t["iqr_s"], fla_fwdbwd_runs=t["runs"])
-            _FLA_SPEED.append((row["visible_pairs"], row["fla_fwdbwd_s"]))
+            _FLA_SPEED.append((T * cfg["K"], row["fla_fwdbwd_s"]))
             row["fla_fwdbwd_peak_bytes"] = C.peak_memory(lambda: fla_fwdbwd(naive, case)) if first < 3.0 else None
             row["speedup_vs_fla"] = row["fla_fwdbwd_s"] / row["ours_fwdbwd_s"]
             row["goal_speedup_met"] = row["speedup_vs_fla"] >= SPEEDUP_GOAL
@@ -265,9 +275,10 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 
 def run(quick: bool = False, smoke: bool = False, out: Path | str | None = None, peers: bool = True,
-        plot: bool = True) -> dict:
+        plot: bool = True, peer_budget_s: float | None = None) -> dict:
     """Run the benchmark; returns ``{"env", "floors", "gate", "peers", "rows"}`` and appends it to
-    ``<out>/nsa.json`` (and draws ``<out>/nsa.png``)."""
+    ``<out>/nsa.json`` (and draws ``<out>/nsa.png``). fla calls estimated to take longer than
+    ``peer_budget_s`` seconds (default 10 quick, 25 full) are skipped and reported as such."""
     out = Path(out) if out is not None else C.RESULTS_DIR
     env = C.environment()
     gate = gate_reference()
@@ -282,7 +293,7 @@ def run(quick: bool = False, smoke: bool = False, out: Path | str | None = None,
     _FLA_SPEED.clear()
     for cfg in C.progress(_configs(quick, smoke), desc="nsa"):
         case = build_case(cfg)
-        rows.append(bench_case(case, floors, naive, quick=quick, smoke=smoke, fla_budget_s=20.0 if quick else 60.0))
+        rows.append(bench_case(case, floors, naive, quick=quick, smoke=smoke, fla_budget_s=peer_budget_s or (10.0 if quick else 25.0)))
         del case
     env["loadavg_end"] = C.loadavg()
     record = {"op": OP, "mode": "smoke" if smoke else ("quick" if quick else "full"), "env": env,
@@ -294,28 +305,52 @@ def run(quick: bool = False, smoke: bool = False, out: Path | str | None = None,
     return record
 
 
-def print_table(record: dict) -> None:
-    f = record["floors"]
-    print(f"matmul fp32 {f['matmul_fp32_flops'] / 1e9:.1f} GFLOP/s, bf16 {f['matmul_bf16_flops'] / 1e9:.1f} GFLOP/s; "
-          f"copy bandwidth {f['copy_bandwidth_Bps'] / 1e9:.2f} GB/s")
-    hdr = ("T", "K", "dtype", "ours f+b ms", "fwd ms", "bwd ms", "fla f+b ms", "speedup", "GFLOP/s",
-           "% fp32 mm", "ours peak", "peak/token", "fla peak")
-    print(" | ".join(hdr))
+def markdown_table(record: dict) -> str:
+    """The run as Markdown: the floors, then one table row per configuration."""
+    f, env = record["floors"], record["env"]
+    lines = [
+        f"{env['date_utc']}, {env['cpu_model']}, {env['cpu_count']} cores ({env['torch_threads']} torch threads), "
+        f"torch {env['torch']}, commit {env['git_commit']}, load average at start {env.get('loadavg_start')}",
+        "",
+        f"Floors measured in the run: matmul fp32 {f['matmul_fp32_flops'] / 1e9:.1f} GFLOP/s, bf16 "
+        f"{f['matmul_bf16_flops'] / 1e9:.1f} GFLOP/s; copy {f['copy_bandwidth_Bps'] / 1e9:.2f} GB/s.",
+        "",
+    ]
+    hdr = ("T", "K", "dtype", "ours fwd+bwd ms", "ours fwd ms", "ours bwd (seed) ms", "fla fwd+bwd ms",
+           "speedup", "GFLOP/s", "% of fp32 matmul", "ours peak", "peak / token", "fla peak",
+           "goals (10x, 30%)")
+    lines += ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
     for r in record["rows"]:
         def ms(key, r=r):
             return f"{r[key] * 1e3:.1f}" if r.get(key) is not None else "-"
 
-        sp = f"{r['speedup_vs_fla']:.1f}x" if r.get("speedup_vs_fla") else "-"
-        print(" | ".join([str(r["T"]), str(r["K"]), r["dtype"], ms("ours_fwdbwd_s"), ms("ours_fwd_s"),
-                          ms("ours_bwd_s"), ms("fla_fwdbwd_s"), sp, f"{r['ours_fwdbwd_flops_per_s'] / 1e9:.1f}",
-                          f"{100 * r['ours_share_of_matmul_fp32']:.0f}%", C.fmt_bytes(r.get("ours_fwdbwd_peak_bytes")),
-                          C.fmt_bytes(r.get("ours_peak_bytes_per_token")), C.fmt_bytes(r.get("fla_fwdbwd_peak_bytes"))]))
+        sp = f"{r['speedup_vs_fla']:.1f}x" if r.get("speedup_vs_fla") else (
+            "skipped" if r.get("fla_skipped") else "-")
+        goals = ("met" if r.get("goal_speedup_met") else ("missed" if "goal_speedup_met" in r else "n/a")) + \
+            ", " + ("met" if r["goal_matmul_met"] else "missed")
+        cells = [str(r["T"]), str(r["K"]), r["dtype"], ms("ours_fwdbwd_s"), ms("ours_fwd_s"), ms("ours_bwd_s"),
+                 ms("fla_fwdbwd_s") if r.get("fla_fwdbwd_s") else (
+                     f"(est. {r['fla_estimated_s']:.0f} s)" if r.get("fla_skipped") else "-"),
+                 sp, f"{r['ours_fwdbwd_flops_per_s'] / 1e9:.1f}", f"{100 * r['ours_share_of_matmul_fp32']:.0f}%",
+                 C.fmt_bytes(r.get("ours_fwdbwd_peak_bytes")), C.fmt_bytes(r.get("ours_peak_bytes_per_token")),
+                 C.fmt_bytes(r.get("fla_fwdbwd_peak_bytes")), goals]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    args = C.make_parser(__doc__.splitlines()[0]).parse_args(argv)
-    record = run(quick=args.quick, smoke=args.smoke, out=args.out, peers=not args.no_peers, plot=not args.no_plot)
-    print_table(record)
+    parser = C.make_parser(__doc__.splitlines()[0])
+    args = parser.parse_args(argv)
+    if args.report:
+        print(markdown_table(C.last_record(args.out / "nsa.json")))
+        return 0
+    if args.profile:
+        case = build_case([c for c in _configs(args.quick, args.smoke) if c["dtype"] == "fp32"][-1])
+        print(C.profile_table(lambda: ours_fwdbwd(case)))
+        return 0
+    record = run(quick=args.quick, smoke=args.smoke, out=args.out, peers=not args.no_peers, plot=not args.no_plot,
+                 peer_budget_s=args.peer_budget)
+    print(markdown_table(record))
     return 0
 
 

@@ -42,7 +42,7 @@ def test_nsa_smoke_cli(tmp_path, capsys):
     assert nsa.main(["--smoke", "--out", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "nsa.json").read_text())[-1]
     _check_record(record, tmp_path, "nsa")
-    assert "ours f+b ms" in capsys.readouterr().out
+    assert "ours fwd+bwd ms" in capsys.readouterr().out
     for r in record["rows"]:
         assert r["ours_fwdbwd_s"] > 0 and r["visible_pairs"] > 0
 
