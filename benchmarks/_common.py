@@ -56,6 +56,8 @@ def make_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true", help="do not draw the PNG chart")
     p.add_argument("--peer-budget", type=float, default=None, metavar="S",
                    help="skip a slow peer's call when it is estimated to take more than S seconds")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch.set_num_threads(N) before measuring (default: torch's choice, all cores)")
     p.add_argument("--report", action="store_true", help="print the last recorded run as Markdown, run nothing")
     p.add_argument("--profile", action="store_true",
                    help="profile ours on one benchmark shape with torch.profiler and print the top operators")
@@ -341,7 +343,7 @@ def plot_panels(
         if panel.get("floor") is not None:
             pts = [(a, b) for a, b in zip(x, panel["floor"]) if b is not None]
             if pts:
-                ax.plot(*zip(*pts), "k--", label=panel.get("floor_label", "floor"))
+                ax.plot(*zip(*pts), "k--", marker="_", markersize=14, label=panel.get("floor_label", "floor"))
         ax.set_yscale("log")
         ax.set_xscale("log", base=2)
         if panel.get("xticklabels"):

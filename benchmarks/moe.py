@@ -302,6 +302,8 @@ def markdown_table(record: dict) -> str:
 def main(argv=None) -> int:
     parser = C.make_parser(__doc__.splitlines()[0])
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.report:
         print(markdown_table(C.last_record(args.out / "moe.json")))
         return 0
