@@ -198,7 +198,7 @@ def bench_case(case: dict, floors: dict, naive, *, quick: bool, smoke: bool, fla
     row["floor_fwdbwd_s"] = row["flops_fwdbwd"] / floors["matmul_fp32_flops"]
     tol = TOLERANCES[dtype]
     timing = {"min_runs": 2, "budget_s": 0.05} if smoke else (
-        {"min_runs": 3, "budget_s": 0.5} if quick else {"min_runs": 5, "budget_s": 2.0})
+        {"min_runs": 3, "budget_s": 0.5} if quick else {"min_runs": 5 if T < 1024 else 3, "budget_s": 2.0})
 
     # correctness on the benchmark shape: ours against ours in float64 (tied to the oracle by the gate)
     want = ours_fwdbwd(case, cast=lambda t: t.to(torch.float64))
