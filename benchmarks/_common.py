@@ -59,6 +59,8 @@ def make_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch.set_num_threads(N) before measuring (default: torch's choice, all cores)")
     p.add_argument("--report", action="store_true", help="print the last recorded run as Markdown, run nothing")
+    p.add_argument("--spread", action="store_true",
+                   help="print how much the last two recorded runs of the same mode differ, run nothing")
     p.add_argument("--profile", action="store_true",
                    help="profile ours on one benchmark shape with torch.profiler and print the top operators")
     return p
@@ -67,6 +69,29 @@ def make_parser(description: str) -> argparse.ArgumentParser:
 def last_record(path: Path) -> dict:
     runs = json.loads(Path(path).read_text())
     return runs[-1] if isinstance(runs, list) else runs
+
+
+def spread_table(path: Path, keys: tuple[str, ...], metrics: tuple[str, ...]) -> str:
+    """Markdown: for the last two runs of the same mode in ``path``, each metric's two medians (ms) and
+    their relative difference ``|a - b| / min(a, b)``, row by row (rows matched on ``keys``)."""
+    runs = json.loads(Path(path).read_text())
+    mode = runs[-1]["mode"]
+    same = [r for r in runs if r["mode"] == mode]
+    if len(same) < 2:
+        return f"only {len(same)} {mode} run(s) in {path}"
+    a, b = same[-2], same[-1]
+    index = {tuple(r[k] for k in keys): r for r in a["rows"]}
+    hdr = [*keys, *(f"{m} (ms, run 1 / run 2, diff)" for m in metrics)]
+    lines = [f"{mode} runs of {a['env']['date_utc']} and {b['env']['date_utc']}", "",
+             "| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
+    for rb in b["rows"]:
+        ra = index.get(tuple(rb[k] for k in keys))
+        cells = [str(rb[k]) for k in keys]
+        for m in metrics:
+            x, y = (ra or {}).get(m), rb.get(m)
+            cells.append(f"{x * 1e3:.1f} / {y * 1e3:.1f}, {abs(x - y) / min(x, y):.0%}" if x and y else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def profile_table(fn: Callable[[], object], *, row_limit: int = 15) -> str:

@@ -307,6 +307,9 @@ def main(argv=None) -> int:
     if args.report:
         print(markdown_table(C.last_record(args.out / "moe.json")))
         return 0
+    if args.spread:
+        print(C.spread_table(args.out / "moe.json", ("H", "dtype", "window"), ("ours_s", "megatron_bwd_s", "floor_s")))
+        return 0
     if args.profile:
         case = build_case(_configs(args.quick, args.smoke)[0])
         print(C.profile_table(lambda: ours_grad(case)))

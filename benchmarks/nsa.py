@@ -346,6 +346,9 @@ def main(argv=None) -> int:
     if args.report:
         print(markdown_table(C.last_record(args.out / "nsa.json")))
         return 0
+    if args.spread:
+        print(C.spread_table(args.out / "nsa.json", ("T", "K", "dtype"), ("ours_fwdbwd_s", "fla_fwdbwd_s")))
+        return 0
     if args.profile:
         case = build_case([c for c in _configs(args.quick, args.smoke) if c["dtype"] == "fp32"][-1])
         print(C.profile_table(lambda: ours_fwdbwd(case)))
