@@ -61,7 +61,8 @@ def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
     return out.to(q.dtype), m, l
 
 
-def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal):
+def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, deterministic=False):
+    # ``deterministic`` is accepted for the backend contract (docs/internals.md); this loop is always ordered
     T1, N1, _ = q.shape
     N2 = k.shape[1]
     G = N1 // N2

@@ -1,0 +1,38 @@
+# Two commands do all the set-up on a fresh machine with Python 3.11:
+#   make run    the main job: every op x backend checked against the reference, then a quick benchmark
+#   make test   the test suite (what CI runs)
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TRITON_VERSION ?= 3.6.0
+
+.PHONY: run test lint check bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# the CPU wheel first: an unpinned torch would pull a multi-GB CUDA build
+	$(BIN)/python -m pip install -q torch==2.13.0
+	# the Triton version the GPU machines run; on the CPU it powers the interpreter checks
+	$(BIN)/python -m pip install -q triton==$(TRITON_VERSION)
+	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	touch $@
+
+run: $(BIN)/.installed
+	$(BIN)/sparseops info
+	$(BIN)/sparseops check
+	$(BIN)/sparseops bench --quick
+
+test: $(BIN)/.installed
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/python -m pytest -q
+	TRITON_INTERPRET=1 TRITON_F32_DEFAULT=ieee $(BIN)/python -m pytest -q -p no:cacheprovider tests/moe/test_triton.py tests/nsa/test_triton.py
+
+check: $(BIN)/.installed
+	$(BIN)/sparseops check
+
+bench: $(BIN)/.installed
+	$(BIN)/sparseops bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,169 @@
+"""Vectorized PyTorch MoE permute / unpermute: the CPU path and the fallback on every device.
+
+Same signatures as ``reference.py`` (docs/internals.md); arguments arrive validated and normalised.
+Two index maps drive everything, both built once per call in O(N) integer work:
+
+- row -> slot (``_row_slots``): the inverse permutation restricted to the window, so that every output row
+  of ``permute`` / ``unpermute_grad`` is one gather (``index_select``) with exactly one writer;
+- token -> row (``_token_rows``): ``sorted_indices.view(T, K) - s`` with -1 for slots outside the window,
+  so that ``unpermute`` / ``permute_grad`` gather K rows per token and add them in k order.
+
+Work is chunked over rows or tokens so that temporaries (gathered rows, fp32 upcasts of fp16/bf16) stay
+cache-sized; there is no Python loop over tokens or slots (the loops run over chunks and over k).
+Math is fp32 (float64 for float64 inputs); every output element is rounded once; no atomics.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: bytes of one chunk's gathered rows; small enough to stay in a core's L2 cache
+_CHUNK_BYTES = 1 << 18
+
+
+def _acc_dtype(*ts) -> torch.dtype:
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ts) else torch.float32
+
+
+def _chunk_rows(H: int, itemsize: int) -> int:
+    return max(16, _CHUNK_BYTES // max(1, H * itemsize))
+
+
+def sorted_indices_from(indices: torch.Tensor) -> torch.Tensor:
+    """slot -> row as int32: the inverse of the stable argsort of ``indices.flatten()``."""
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # row -> slot
+    out = torch.empty(flat.numel(), dtype=torch.int32, device=flat.device)
+    return out.scatter_(0, order, torch.arange(flat.numel(), dtype=torch.int32, device=flat.device))
+
+
+def _row_slots(sorted_indices: torch.Tensor, s: int, e: int) -> torch.Tensor:
+    """``[e - s]`` int64: the slot that row ``s + r`` holds (every row of the window has exactly one)."""
+    N = sorted_indices.numel()
+    inv = torch.empty(N, dtype=torch.int64, device=sorted_indices.device)
+    inv.scatter_(0, sorted_indices.long(), torch.arange(N, dtype=torch.int64, device=sorted_indices.device))
+    return inv[s:e]
+
+
+def _token_rows(sorted_indices: torch.Tensor, K: int, s: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([T, K]`` local row of each slot, clamped to 0 when invalid, ``[T, K]`` bool validity mask)."""
+    rows = sorted_indices.reshape(-1, K).long() - s
+    valid = (rows >= 0) & (rows < e - s)
+    return rows.masked_fill(~valid, 0), valid
+
+
+def permute(tokens, sorted_indices, probs, K, s, e):
+    """``permuted_tokens[v - s] = tokens[i // K]``, ``permuted_probs[v - s] = probs.flatten()[i]``."""
+    slots = _row_slots(sorted_indices, s, e)
+    out = torch.index_select(tokens, 0, torch.div(slots, K, rounding_mode="floor"))
+    pprobs = None if probs is None else probs.reshape(-1).index_select(0, slots)
+    return out, pprobs
+
+
+def _sum_over_k(src, rows, valid, weights, out):
+    """``out[t] = sum_k weights[t, k] * src[rows[t, k]]`` over valid slots (weight 0 skipped), k ascending, in
+    the accumulation dtype, rounded once into ``out``. ``weights`` None means plain sum."""
+    T, K = rows.shape
+    H = src.shape[1]
+    acc_dtype = _acc_dtype(src, weights)
+    direct = out.dtype == acc_dtype  # accumulate straight into the output
+    if weights is not None:
+        weights = weights.to(acc_dtype)
+        valid = valid & (weights != 0)
+    step = _chunk_rows(H, 4 if acc_dtype == torch.float32 else 8)
+    buf = None
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        acc = out[t0:t1] if direct else torch.empty(t1 - t0, H, dtype=acc_dtype, device=src.device)
+        if buf is None or buf.shape[0] != t1 - t0:
+            buf = torch.empty(t1 - t0, H, dtype=src.dtype, device=src.device)
+        acc.zero_()
+        for k in range(K):
+            v = valid[t0:t1, k]
+            n_valid = int(v.sum())
+            if n_valid == 0:
+                continue
+            torch.index_select(src, 0, rows[t0:t1, k], out=buf)
+            if n_valid != t1 - t0:
+                buf.masked_fill_(~v[:, None], 0)  # an unused row may hold inf/NaN: never multiply it
+            term = buf if buf.dtype == acc_dtype else buf.to(acc_dtype)
+            if weights is None:
+                acc.add_(term)
+            else:
+                acc.addcmul_(term, weights[t0:t1, k, None])
+        if not direct:
+            out[t0:t1].copy_(acc)
+    return out
+
+
+def unpermute(permuted_tokens, sorted_indices, probs, K, s, e):
+    """``out[t] = sum_k probs[t, k] * permuted_tokens[v - s]`` over valid slots, k ascending; prob == 0 skipped."""
+    T, H = sorted_indices.numel() // K, permuted_tokens.shape[1]
+    out = torch.empty(T, H, dtype=permuted_tokens.dtype, device=permuted_tokens.device)
+    if T == 0 or H == 0:
+        return out.zero_()
+    rows, valid = _token_rows(sorted_indices, K, s, e)
+    return _sum_over_k(permuted_tokens, rows, valid, probs, out)
+
+
+def unpermute_grad(grad, sorted_indices, permuted_tokens, probs, K, s, e):
+    """The seed op. With probs: ``ptg[v - s] = grad[t] * probs[t, k]`` and
+    ``probs_grad[t, k] = <permuted_tokens[v - s], grad[t]>`` (0 for invalid slots); without: a row copy."""
+    T, H = grad.shape
+    N = sorted_indices.numel()
+    slots = _row_slots(sorted_indices, s, e)
+    tok = torch.div(slots, K, rounding_mode="floor")
+    if probs is None:
+        return torch.index_select(grad, 0, tok), None
+    R = e - s
+    acc_dtype = _acc_dtype(grad, permuted_tokens, probs)
+    ptg = torch.empty(R, H, dtype=grad.dtype, device=grad.device)
+    row_probs = probs.reshape(-1).index_select(0, slots)
+    if grad.dtype == probs.dtype or acc_dtype == torch.float64:
+        scale = row_probs.to(grad.dtype) if grad.dtype == torch.float64 else row_probs
+    else:
+        scale = row_probs.to(acc_dtype)  # mixed dtypes: multiply in fp32, round once into ptg
+    dots = torch.empty(R, dtype=acc_dtype, device=grad.device)
+    step = _chunk_rows(H, 4 if acc_dtype == torch.float32 else 8)
+    if grad.dtype == acc_dtype and permuted_tokens.dtype == acc_dtype:
+        for r0 in range(0, R, step):
+            r1 = min(R, r0 + step)
+            g = ptg[r0:r1]
+            torch.index_select(grad, 0, tok[r0:r1], out=g)  # grad rows land in the output, then scale in place
+            torch.linalg.vecdot(permuted_tokens[r0:r1], g, out=dots[r0:r1])
+            g.mul_(scale[r0:r1, None])
+    else:  # fp16 / bf16: rows gathered in their dtype, dots from fp32 copies held in two cache-sized buffers
+        a = torch.empty(step, H, dtype=acc_dtype, device=grad.device)
+        b = torch.empty(step, H, dtype=acc_dtype, device=grad.device)
+        for r0 in range(0, R, step):
+            r1 = min(R, r0 + step)
+            g = ptg[r0:r1]
+            torch.index_select(grad, 0, tok[r0:r1], out=g)
+            ac, bc = a[: r1 - r0], b[: r1 - r0]
+            ac.copy_(permuted_tokens[r0:r1])
+            bc.copy_(g)
+            torch.linalg.vecdot(ac, bc, out=dots[r0:r1])
+            g.mul_(scale[r0:r1, None])  # computed in fp32, rounded once
+    pg = torch.zeros(N, dtype=probs.dtype, device=grad.device)
+    pg.index_copy_(0, slots, dots.to(probs.dtype))
+    return ptg, pg.view(T, K)
+
+
+def permute_grad(permuted_tokens_grad, sorted_indices, permuted_probs_grad, K, s, e):
+    """``tokens_grad[t] = sum_k ptg[v - s]`` over valid slots; ``probs_grad[t, k] = permuted_probs_grad[v - s]`` or 0."""
+    N = sorted_indices.numel()
+    T, H = N // K, permuted_tokens_grad.shape[1]
+    rows, valid = _token_rows(sorted_indices, K, s, e)
+    tg = torch.empty(T, H, dtype=permuted_tokens_grad.dtype, device=permuted_tokens_grad.device)
+    if T and H:
+        _sum_over_k(permuted_tokens_grad, rows, valid, None, tg)
+    else:
+        tg.zero_()
+    pg = None
+    if permuted_probs_grad is not None:
+        if e > s:
+            pg = permuted_probs_grad.index_select(0, rows.reshape(-1)).view(T, K)
+            pg = pg.masked_fill(~valid, 0)
+        else:
+            pg = torch.zeros(T, K, dtype=permuted_probs_grad.dtype, device=permuted_probs_grad.device)
+    return tg, pg

@@ -1,0 +1,246 @@
+"""The torch backend against the reference (float64 on upcast inputs): output, stats and all three gradients,
+every dtype, odd shapes; the seed op against autograd; the stat lanes; determinism."""
+
+import pytest
+import torch
+
+import sparseops
+from sparseops._varlen import normalize_cu_seqlens
+from sparseops.nsa import reference
+from sparseops.testing import assert_close, make_nsa_inputs, poison_
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+CASES = [
+    # id: what edge it covers; seqlens_q, seqlens_kv, N1, N2, Dqk, Dv, bs, K, causal, empty_frac, duplicates
+    ("varlen-len0-S2-not-multiple", [5, 0, 40, 33], [7, 3, 40, 50], 6, 2, 32, 16, 16, 3, True, 0.2, True),
+    ("G1-noncausal-dups", [17, 30], [17, 64], 2, 2, 16, 16, 16, 4, False, 0.3, True),
+    ("G2-bs32-kv-longer", [20, 9], [70, 41], 4, 2, 24, 8, 32, 2, True, 0.0, False),
+    ("G16-one-kv-head", [32], None, 16, 1, 32, 16, 16, 3, True, 0.1, True),
+    ("head-dim-256", [24], None, 2, 1, 256, 128, 16, 2, True, 0.0, False),
+    ("T1-one-token", [1], [33], 3, 1, 16, 16, 16, 2, False, 0.0, False),
+]
+
+
+def _inputs(case, dtype, seed=0):
+    _, sq, skv, N1, N2, Dqk, Dv, bs, K, causal, ef, dup = case
+    return make_nsa_inputs(sq, skv, N1=N1, N2=N2, Dqk=Dqk, Dv=Dv, bs=bs, K=K, dtype=dtype, causal=causal,
+                           empty_frac=ef, duplicates=dup, seed=seed)
+
+
+def _ref(a, dout):
+    """float64 reference on the upcast inputs: (out, m, l, dq, dk, dv)."""
+    q, k, v = (a[n].double() for n in ("query", "key", "value"))
+    cu_q = normalize_cu_seqlens("q", a["actual_seq_qlen"], q.shape[0])
+    cu_kv = normalize_cu_seqlens("kv", a["actual_seq_kvlen"], k.shape[0])
+    args = (a["topk_indices"], a["scale_value"], a["selected_block_size"], cu_q, cu_kv, a["sparse_mode"] == 2)
+    out, m, l = reference.forward(q, k, v, *args)
+    return (out, m, l, *reference.backward(q, k, v, out, dout.double(), m, l, *args))
+
+
+def _split(a):
+    a = dict(a)
+    return a.pop("query"), a.pop("key"), a.pop("value"), a
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_torch_matches_reference(case, dtype):
+    a = _inputs(case, dtype)
+    q, k, v, kw = _split(a)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out, m, l = sparseops.nsa_selected_attention(q, k, v, backend="torch", **kw)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(dtype)
+    out.backward(dout)
+    r_out, r_m, r_l, r_dq, r_dk, r_dv = _ref(a, dout)
+    assert out.dtype == dtype and m.dtype == torch.float32 and l.dtype == torch.float32
+    assert_close(out, r_out, dtype, name="attention_out")
+    assert_close(m[..., 0], r_m, dtype, name="softmax_max")
+    assert_close(l[..., 0], r_l, dtype, name="softmax_sum")
+    assert_close(q.grad, r_dq, dtype, name="dq")
+    assert_close(k.grad, r_dk, dtype, name="dk")
+    assert_close(v.grad, r_dv, dtype, name="dv")
+    assert (q.grad.dtype, k.grad.dtype, v.grad.dtype) == (dtype,) * 3
+
+
+def test_float64_inputs_give_float64_stats():
+    a = _inputs(CASES[0], torch.float64)
+    q, k, v, kw = _split(a)
+    out, m, l = sparseops.nsa_selected_attention(q, k, v, **kw)
+    r_out, r_m, r_l, *_ = _ref(a, torch.zeros_like(out))
+    assert m.dtype == l.dtype == torch.float64
+    assert_close(out, r_out, name="attention_out")
+    assert_close(l[..., 0], r_l, name="softmax_sum")
+
+
+def test_stat_lanes_equal_and_not_differentiable():
+    q, k, v, kw = _split(_inputs(CASES[0], torch.float32))
+    q.requires_grad_()
+    out, m, l = sparseops.nsa_selected_attention(q, k, v, **kw)
+    assert m.shape == l.shape == (q.shape[0], q.shape[1], 8)
+    assert torch.equal(m, m[..., :1].expand_as(m)) and torch.equal(l, l[..., :1].expand_as(l))
+    assert out.requires_grad and not m.requires_grad and not l.requires_grad
+
+
+def test_rows_with_no_visible_key():
+    # token 0: only -1; token 1 (causal, position 1): only block 1, which starts after it; token 2: block 0
+    q = torch.randn(3, 2, 16, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(40, 1, 16, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(40, 1, 16, dtype=torch.float64, requires_grad=True)
+    topk = torch.tensor([[[-1, -1]], [[1, -1]], [[0, -1]]], dtype=torch.int32)
+    out, m, l = sparseops.nsa_selected_attention(q, k, v, topk, 0.25, 2, 16, 2, sparse_mode=2,
+                                                 actual_seq_qlen=[3], actual_seq_kvlen=[40])
+    out.sum().backward()
+    for t in (q.grad, k.grad, v.grad, out, m, l):
+        assert torch.isfinite(t).all()
+    assert out[:2].eq(0).all() and m[:2].eq(0).all() and l[:2].eq(0).all()
+    assert q.grad[:2].eq(0).all()
+    assert out[2].ne(0).any()
+    # token 2 sees keys 0..2 only (causal): every other key row gets exactly 0 gradient
+    assert k.grad[3:].eq(0).all() and v.grad[3:].eq(0).all() and v.grad[:3].ne(0).any()
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_seed_op_equals_autograd(backend):
+    a = _inputs(CASES[0], torch.float32)
+    q, k, v, kw = _split(a)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out, m, l = sparseops.nsa_selected_attention(q, k, v, backend=backend, **kw)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    kw = {n: kw[n] for n in ("scale_value", "selected_block_size", "selected_block_count", "head_num",
+                             "actual_seq_qlen", "actual_seq_kvlen", "sparse_mode")}
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    snap = [t.clone() for t in (qd, kd, vd, out, dout, m, l)]
+    dq, dk, dv = sparseops.nsa_selected_attention_grad(
+        qd, kd, vd, out.detach(), dout, m, l, a["topk_indices"], backend=backend, **kw
+    )
+    assert torch.equal(dq, q.grad) and torch.equal(dk, k.grad) and torch.equal(dv, v.grad)
+    # the seed op writes into nothing it was given
+    for before, after in zip(snap, (qd, kd, vd, out, dout, m, l)):
+        assert torch.equal(before, after)
+
+
+def test_seed_op_reads_lane_zero_only():
+    a = _inputs(CASES[3], torch.float32)
+    q, k, v, kw = _split(a)
+    out, m, l = sparseops.nsa_selected_attention(q, k, v, **kw)
+    dout = torch.randn_like(out)
+    gkw = {n: kw[n] for n in ("scale_value", "selected_block_size", "selected_block_count", "head_num",
+                              "actual_seq_qlen", "actual_seq_kvlen", "sparse_mode")}
+    ref = sparseops.nsa_selected_attention_grad(q, k, v, out, dout, m, l, a["topk_indices"], **gkw)
+    m2, l2 = m.clone(), l.clone()
+    poison_(m2[..., 1:])
+    poison_(l2[..., 1:])
+    got = sparseops.nsa_selected_attention_grad(q, k, v, out, dout, m2, l2, a["topk_indices"], **gkw)
+    for x, y in zip(got, ref):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_deterministic_is_bitwise_reproducible(dtype):
+    # G16 with duplicates: many (token, slot) pairs add into the same key rows
+    a = _inputs(CASES[3], dtype, seed=5)
+    q, k, v, kw = _split(a)
+    out, m, l = sparseops.nsa_selected_attention(q, k, v, **kw)
+    dout = torch.randn(out.shape).to(dtype)
+    gkw = {n: kw[n] for n in ("scale_value", "selected_block_size", "selected_block_count", "head_num",
+                              "actual_seq_qlen", "actual_seq_kvlen", "sparse_mode")}
+    runs = [
+        sparseops.nsa_selected_attention_grad(q, k, v, out, dout, m, l, a["topk_indices"], deterministic=True, **gkw)
+        for _ in range(2)
+    ]
+    for x, y in zip(*runs):
+        assert torch.equal(x, y)
+
+
+def test_deterministic_none_follows_the_switches(monkeypatch):
+    from sparseops.nsa import torch_impl
+
+    seen = []
+    real = torch_impl.backward
+
+    def spy(*args, deterministic=False):
+        seen.append(deterministic)
+        return real(*args, deterministic=deterministic)
+
+    monkeypatch.setattr(torch_impl, "backward", spy)
+    a = _inputs(CASES[5], torch.float32)
+    q, k, v, kw = _split(a)
+    out, m, l = sparseops.nsa_selected_attention(q, k, v, **kw)
+    gkw = {n: kw[n] for n in ("scale_value", "selected_block_size", "selected_block_count", "head_num",
+                              "actual_seq_qlen", "actual_seq_kvlen", "sparse_mode")}
+    call = lambda **d: sparseops.nsa_selected_attention_grad(q, k, v, out, out, m, l, a["topk_indices"], **gkw, **d)  # noqa: E731
+    call()
+    sparseops.set_deterministic(True)
+    try:
+        call()
+        call(deterministic=False)
+    finally:
+        sparseops.set_deterministic(False)
+    assert seen == [False, True, False]
+
+
+def test_int64_topk_and_tensor_cu_seqlens():
+    a = _inputs(CASES[0], torch.float32)
+    q, k, v, kw = _split(a)
+    ref = sparseops.nsa_selected_attention(q, k, v, **kw)
+    kw["topk_indices"] = kw["topk_indices"].long()
+    kw["actual_seq_qlen"] = torch.tensor(kw["actual_seq_qlen"])
+    kw["actual_seq_kvlen"] = torch.tensor(kw["actual_seq_kvlen"], dtype=torch.int32)
+    got = sparseops.nsa_selected_attention(q, k, v, **kw)
+    for x, y in zip(got, ref):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("union_waste", [0.0, float("inf")], ids=["per-token", "union"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=[CASES[0][0], CASES[1][0]])
+def test_both_layouts_match_reference(case, union_waste, monkeypatch):
+    # the torch backend picks a per-token or a union layout per chunk; force each one everywhere
+    from sparseops.nsa import torch_impl
+
+    monkeypatch.setattr(torch_impl, "UNION_WASTE", union_waste)
+    a = _inputs(case, torch.float64, seed=11)
+    q, k, v, kw = _split(a)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out, m, l = sparseops.nsa_selected_attention(q, k, v, backend="torch", **kw)
+    dout = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    out.backward(dout)
+    ref = _ref(a, dout)
+    for name, x, y in zip(("out", "m", "l", "dq", "dk", "dv"),
+                          (out, m[..., 0], l[..., 0], q.grad, k.grad, v.grad), ref):
+        assert_close(x, y, name=name)
+
+
+def test_small_chunks_give_the_same_result(monkeypatch):
+    # forces many chunks (one token each) through the chunk loop, incl. chunks with nothing visible
+    from sparseops.nsa import torch_impl
+
+    a = _inputs(CASES[0], torch.float64)
+    q, k, v, kw = _split(a)
+    q.requires_grad_()
+    out, m, l = sparseops.nsa_selected_attention(q, k, v, **kw)
+    (g,) = torch.autograd.grad(out, q, torch.ones_like(out))
+    monkeypatch.setattr(torch_impl, "CHUNK_BYTES", 1)
+    out2, m2, l2 = sparseops.nsa_selected_attention(q, k, v, **kw)
+    (g2,) = torch.autograd.grad(out2, q, torch.ones_like(out2))
+    assert_close(out2, out, name="out")
+    assert_close(l2, l, name="softmax_sum")
+    assert_close(g2, g, name="dq")
+
+
+def test_atten_mask_is_accepted_and_never_read():
+    a = _inputs(CASES[0], torch.float32)
+    q, k, v, kw = _split(a)
+    ref = sparseops.nsa_selected_attention(q, k, v, **kw)
+    for mask in (torch.ones(4, 4, dtype=torch.bool), torch.zeros(2048, 2048, dtype=torch.uint8)):
+        got = sparseops.nsa_selected_attention(q, k, v, atten_mask=mask, **kw)
+        for x, y in zip(got, ref):
+            assert torch.equal(x, y)
+
+
+def test_triton_backend_request_is_clear():
+    a = _inputs(CASES[5], torch.float32)
+    q, k, v, kw = _split(a)
+    with pytest.raises(ValueError, match="backend"):
+        sparseops.nsa_selected_attention(q, k, v, backend="triton", **kw)
