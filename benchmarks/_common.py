@@ -40,6 +40,10 @@ import torch
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+# run from a source checkout: benchmark its src/, as the tests do (pytest's pythonpath = src)
+if (REPO_ROOT / "src" / "sparseops").is_dir() and str(REPO_ROOT / "src") not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT / "src"))
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # command line

@@ -32,13 +32,14 @@ from pathlib import Path
 
 import torch
 
-import sparseops
-from sparseops.testing import TOLERANCES, make_moe_inputs, rel_rms_error
-
 if __package__:
     from . import _common as C
 else:
     import _common as C
+
+# after _common, which puts a source checkout's src/ first on sys.path
+import sparseops  # noqa: E402
+from sparseops.testing import TOLERANCES, make_moe_inputs, rel_rms_error  # noqa: E402
 
 OP = "moe_token_unpermute_with_ep_grad"
 SPEEDUP_GOAL = 2.0  # ours at least this much faster than Megatron's backward

@@ -27,14 +27,15 @@ from pathlib import Path
 
 import torch
 
-import sparseops
-from sparseops.nsa import reference as nsa_reference
-from sparseops.testing import TOLERANCES, make_nsa_inputs, rel_rms_error
-
 if __package__:
     from . import _common as C
 else:
     import _common as C
+
+# after _common, which puts a source checkout's src/ first on sys.path
+import sparseops  # noqa: E402
+from sparseops.nsa import reference as nsa_reference  # noqa: E402
+from sparseops.testing import TOLERANCES, make_nsa_inputs, rel_rms_error  # noqa: E402
 
 OP = "nsa_selected_attention"
 SPEEDUP_GOAL = 10.0  # ours fwd+bwd at least this much faster than fla's naive fwd+bwd
