@@ -212,18 +212,22 @@ def median_time(
 def peak_memory(fn: Callable[[], object]) -> int | None:
     """Peak bytes allocated by one call of ``fn()`` above what was live before it (see module doc).
     None when this torch's profiler does not expose allocation events."""
+    return peak_memory_and_result(fn)[0]
+
+
+def peak_memory_and_result(fn: Callable[[], object]) -> tuple[int | None, object]:
+    """``(peak_memory(fn), what fn returned)``: one call serves as both a check and a measurement."""
     try:
         from torch._C._profiler import _EventType
         from torch.profiler import ProfilerActivity, profile
     except ImportError:
-        return None
+        return None, fn()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
-    del result
     try:
         roots = prof.profiler.kineto_results.experimental_event_tree()
     except AttributeError:
-        return None
+        return None, result
     events: list[tuple[int, int]] = []
     stack = list(roots)
     while stack:
@@ -236,7 +240,7 @@ def peak_memory(fn: Callable[[], object]) -> int | None:
     for _, size in events:
         cur += size
         peak = max(peak, cur)
-    return peak
+    return peak, result
 
 
 # ----------------------------------------------------------------------------------------------------------------
