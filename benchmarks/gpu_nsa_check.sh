@@ -11,6 +11,6 @@ python -c "import fla; print('fla', fla.__version__)" 2>&1 | tail -1
 timeout "${BENCH_S:-280}" python benchmarks/gpu_nsa.py --tune --out "$OUT/gpu_nsa.json" > "$OUT/bench.log" 2>&1
 echo "bench rc=$?"
 grep -v '^  File\|^    ' "$OUT/bench.log" | tail -60
-timeout "${TEST_S:-120}" python -m pytest tests/nsa/test_triton.py -q -x -p no:cacheprovider > "$OUT/pytest.log" 2>&1
+timeout "${TEST_S:-120}" python -m pytest tests/nsa/test_nsa_triton.py -q -x -p no:cacheprovider > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$?"
 tail -25 "$OUT/pytest.log"

@@ -44,9 +44,12 @@ def _backend_module(backend: str):
     return importlib.import_module(f".{'reference' if backend == 'reference' else 'torch_impl'}", __package__)
 
 
-def _resolve_backend(backend, device: torch.device) -> str:
+def _resolve_backend(backend, device: torch.device, dtype: torch.dtype) -> str:
     name = _checks.resolve_backend(backend, device)
-    if name == "triton" and backend == "auto" and importlib.util.find_spec(f"{__package__}.triton_impl") is None:
+    if name == "triton" and backend == "auto" and (
+        dtype == torch.float64 or importlib.util.find_spec(f"{__package__}.triton_impl") is None
+    ):
+        # the Triton kernels take fp32/fp16/bf16; auto sends float64 (a testing dtype) to the torch path
         return "torch"
     if name == "triton":
         _backend_module("triton")
@@ -314,7 +317,7 @@ def nsa_selected_attention(
         query, key, value, topk_indices, scale_value, head_num, selected_block_size, selected_block_count,
         atten_mask, actual_seq_qlen, actual_seq_kvlen, sparse_mode, "TND", validate,
     )
-    name = _resolve_backend(backend, device)
+    name = _resolve_backend(backend, device, query.dtype)
     out, m, l = _fwd_op(query, key, value, topk_indices, scale, bs, cu_q, cu_kv, causal, name)
     shape = (*m.shape, STAT_LANES)
     return out, m.unsqueeze(-1).expand(shape).contiguous(), l.unsqueeze(-1).expand(shape).contiguous()
@@ -370,7 +373,7 @@ def nsa_selected_attention_grad(
         attention_out, attention_out_grad, softmax_max, softmax_sum, grad=True,
     )
     det = resolve_deterministic(deterministic)
-    name = _resolve_backend(backend, device)
+    name = _resolve_backend(backend, device, query.dtype)
     return _bwd_op(
         query, key, value, attention_out, attention_out_grad, softmax_max[..., 0].contiguous(),
         softmax_sum[..., 0].contiguous(), topk_indices, scale, bs, cu_q, cu_kv, causal, det, name,

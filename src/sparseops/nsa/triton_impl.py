@@ -28,7 +28,7 @@ from .._varlen import seq_lengths, token_seq_positions
 CHUNK = 256
 #: target tile rows (tokens x heads) per step of the dK/dV kernel
 DKV_ROWS = 32
-#: launch settings (sm_90; see docs/nsa_triton.md)
+#: launch settings (sm_90; see docs/nsa.md (GPU section))
 FWD_STAGES = 2
 DKV_WARPS = 8
 DKV_STAGES = 2

@@ -1,6 +1,6 @@
 """Triton kernels for NSA selected attention (forward, dQ, dK/dV, deterministic reduction).
 
-Launchers, index building and the design notes live in ``triton_impl.py`` and ``docs/nsa_triton.md``.
+Launchers, index building and the design notes live in ``triton_impl.py`` and ``docs/nsa.md (GPU section)``.
 Head dims are split into two power-of-two chunks, ``D1 = BLOCK_D1`` columns and the rest padded to
 ``BLOCK_D2`` (192 = 128 + 64 without padding); ``HAS_D2`` is False when one chunk covers ``Dqk``.
 ``DOT`` is the dtype fed to ``tl.dot`` (the input dtype on GPU, fp32 under the interpreter);

@@ -1,7 +1,7 @@
 """NSA Triton kernels against the float64 reference.
 
 Runs where CUDA is available, or on the CPU under the Triton interpreter, in its own process:
-``TRITON_INTERPRET=1 TRITON_F32_DEFAULT=ieee python -m pytest tests/nsa/test_triton.py``.
+``TRITON_INTERPRET=1 TRITON_F32_DEFAULT=ieee python -m pytest tests/nsa/test_nsa_triton.py``.
 Shapes are tiny because the interpreter executes every program in Python.
 """
 
