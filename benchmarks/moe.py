@@ -168,7 +168,7 @@ def bench_case(case: dict, floors: dict, unpermute, *, quick: bool, smoke: bool)
            "floor_s": floor_bytes / floors["copy_bandwidth_Bps"]}
     tol = TOLERANCES[dtype]
     timing = {"min_runs": 2, "budget_s": 0.05} if smoke else (
-        {"min_runs": 3, "budget_s": 0.4} if quick else {"min_runs": 7, "budget_s": 1.5})
+        {"min_runs": 3, "budget_s": 0.4} if quick else {"min_runs": 5, "budget_s": 0.8})
 
     # correctness on the benchmark shape: ours (dtype) against ours in float64, which the gate tied to the oracle
     got_ptg, got_pg = ours_grad(case)
