@@ -85,7 +85,7 @@ def spread_table(path: Path, keys: tuple[str, ...], metrics: tuple[str, ...]) ->
         return f"only {len(same)} {mode} run(s) in {path}"
     a, b = same[-2], same[-1]
     index = {tuple(r[k] for k in keys): r for r in a["rows"]}
-    hdr = [*keys, *(f"{m} (ms, run 1 / run 2, diff)" for m in metrics)]
+    hdr = [*keys, *(f"{m} (ms, earlier / later, diff)" for m in metrics)]
     lines = [f"{mode} runs of {a['env']['date_utc']} and {b['env']['date_utc']}", "",
              "| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
     for rb in b["rows"]:
