@@ -26,7 +26,7 @@ run: $(BIN)/.installed
 test: $(BIN)/.installed
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest -q
-	TRITON_INTERPRET=1 TRITON_F32_DEFAULT=ieee $(BIN)/python -m pytest -q -p no:cacheprovider tests/moe/test_triton.py tests/nsa/test_triton.py
+	TRITON_INTERPRET=1 TRITON_F32_DEFAULT=ieee $(BIN)/python -m pytest -q -p no:cacheprovider tests/moe/test_moe_triton.py tests/nsa/test_nsa_triton.py
 
 check: $(BIN)/.installed
 	$(BIN)/sparseops check

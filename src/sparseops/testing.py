@@ -47,7 +47,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     if not err <= tol:
         a = actual.detach().to("cpu", torch.float64)
         e = expected.detach().to("cpu", torch.float64)
-        diff = (a - e).abs()
+        diff = (a - e).abs().nan_to_num(nan=math.inf)
         where = tuple(int(i) for i in torch.nonzero(diff == diff.max())[0]) if diff.numel() else ()
         raise AssertionError(
             f"{name}: relative RMS error {err:.3e} > tolerance {tol:.0e} for {dtype}; "

@@ -193,13 +193,19 @@ def test_int64_topk_and_tensor_cu_seqlens():
         assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("union_waste", [0.0, float("inf")], ids=["per-token", "union"])
-@pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=[CASES[0][0], CASES[1][0]])
-def test_both_layouts_match_reference(case, union_waste, monkeypatch):
-    # the torch backend picks a per-token or a union layout per chunk; force each one everywhere
+@pytest.mark.parametrize("layout", ["union", "tile1", "tile3", "tile64"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3]], ids=[CASES[0][0], CASES[1][0], CASES[3][0]])
+def test_every_layout_matches_reference(case, layout, monkeypatch):
+    # the torch backend picks per chunk a union layout or a block-centric one whose tiles hold M slots of one
+    # block (M picked per chunk); force union everywhere, or tiles with M = 1 (no padding), an odd M (padding
+    # rows in most tiles) and M = 64 (one tile per block, mostly padding)
     from sparseops.nsa import torch_impl
 
-    monkeypatch.setattr(torch_impl, "UNION_WASTE", union_waste)
+    if layout == "union":
+        monkeypatch.setattr(torch_impl, "UNION_WASTE", float("inf"))
+    else:
+        monkeypatch.setattr(torch_impl, "UNION_WASTE", 0.0)
+        monkeypatch.setattr(torch_impl, "TILE", int(layout[4:]))
     a = _inputs(case, torch.float64, seed=11)
     q, k, v, kw = _split(a)
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
@@ -210,6 +216,24 @@ def test_both_layouts_match_reference(case, union_waste, monkeypatch):
     for name, x, y in zip(("out", "m", "l", "dq", "dk", "dv"),
                           (out, m[..., 0], l[..., 0], q.grad, k.grad, v.grad), ref):
         assert_close(x, y, name=name)
+
+
+def test_very_negative_scores_give_exact_zeros():
+    # scores far below the row max (exp underflows; the backend clamps the exponent for speed) must still give
+    # the reference's probabilities, and invisible keys exactly 0 gradient
+    a = _inputs(CASES[3], torch.float32, seed=2)
+    q, k, v, kw = _split(a)
+    k = k.clone()
+    k[::3] *= 60.0
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out, m, l = sparseops.nsa_selected_attention(q, k, v, backend="torch", **kw)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    out.backward(dout)
+    ref = _ref({**a, "key": k.detach()}, dout)
+    for name, x, y in zip(("out", "m", "l", "dq", "dk", "dv"),
+                          (out, m[..., 0], l[..., 0], q.grad, k.grad, v.grad), ref):
+        assert_close(x, y, torch.float32, name=name)
+        assert torch.isfinite(x).all()
 
 
 def test_small_chunks_give_the_same_result(monkeypatch):

@@ -18,12 +18,16 @@ Choices where the spec is silent (see docs/moe.md "Choices"):
 """
 
 
+from collections.abc import Sequence
+
 import torch
 
 from .. import _checks
 from .._checks import check_bool, check_int, check_same_device, check_tensor, fmt_shape
 from . import reference, torch_impl
 
+#: an EP window: ``[start, end]`` as two ints or a 1-D integer tensor of two elements
+RangeLike = Sequence[int] | torch.Tensor
 #: CANN's limit on top-k, kept
 K_MAX = 512
 #: token / prob dtypes of the Python API (float64 is accepted for gradcheck)
@@ -405,13 +409,13 @@ def moe_token_permute_with_ep(
     tokens: torch.Tensor,
     indices: torch.Tensor,
     probs: torch.Tensor | None = None,
-    range=None,
+    range: RangeLike | None = None,
     num_out_tokens: int = 0,
     padded_mode: bool = False,
     *,
     backend: str = "auto",
     validate: bool = True,
-):
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Sort token copies by expert and keep the rows of one expert-parallel window ``[s, e)``.
 
     Slot ``i = t*K + k`` is copy k of token t; ``sorted_indices[i]`` is its row in the expert-sorted buffer
@@ -462,9 +466,9 @@ def moe_token_unpermute_with_ep(
     sorted_indices: torch.Tensor,
     probs: torch.Tensor | None = None,
     topk_num: int = 1,
-    range=None,
+    range: RangeLike | None = None,
     padded_mode: bool = False,
-    restore_shape=None,
+    restore_shape: Sequence[int] | None = None,
     *,
     backend: str = "auto",
     validate: bool = True,
@@ -513,13 +517,13 @@ def moe_token_unpermute_with_ep_grad(
     permuted_tokens: torch.Tensor | None = None,
     probs: torch.Tensor | None = None,
     padded_mode: bool = False,
-    restore_shape=None,
-    range=None,
+    restore_shape: Sequence[int] | None = None,
+    range: RangeLike | None = None,
     topk_num: int = 1,
     *,
     backend: str = "auto",
     validate: bool = True,
-):
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Backward of :func:`moe_token_unpermute_with_ep` (CANN ``MoeTokenUnpermuteWithEpGrad``).
 
     For every valid slot ``i = t*K + k`` (``s <= v < e``, ``v = sorted_indices[i]``)::
@@ -565,12 +569,12 @@ def moe_token_permute_with_ep_grad(
     sorted_indices: torch.Tensor,
     permuted_probs_grad: torch.Tensor | None = None,
     topk_num: int = 1,
-    range=None,
+    range: RangeLike | None = None,
     padded_mode: bool = False,
     *,
     backend: str = "auto",
     validate: bool = True,
-):
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Backward of :func:`moe_token_permute_with_ep`.
 
     For every token t, in k order, over valid slots ``i = t*K + k`` (``s <= v < e``, ``v = sorted_indices[i]``)::

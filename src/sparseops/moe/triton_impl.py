@@ -2,7 +2,7 @@
 
 Arguments arrive validated and normalised (window ``[s, e)``, top-k ``K``, full ``[N]`` slot -> row map that
 is a permutation of ``[0, N)``). One program per token (times an H chunk where nothing reduces over H); see
-``triton_kernels.py`` and docs/moe_triton.md.
+``triton_kernels.py`` and docs/moe.md (GPU section).
 
 Outputs are allocated with ``torch.empty`` and need no zero-fill: because ``sorted_indices`` is a
 permutation, each row ``r`` of a ``[R, H]`` output is ``v - s`` for exactly one slot with ``v = r + s``, and
@@ -31,7 +31,7 @@ def _tile(name: str, H: int, K: int, N: int, R: int, elem: int, slot_tile: bool)
     """``(BLOCK_K, BLOCK_J, BLOCK_H, num_warps)``: ``BLOCK_K`` slots are ranked at once, ``BLOCK_J`` live ones move
     together.
 
-    Chosen from an H200 sweep at T=16384, H=7168, K=8, bf16 (``benchmarks/gpu_moe.py --tune``; docs/moe_triton.md):
+    Chosen from an H200 sweep at T=16384, H=7168, K=8, bf16 (``benchmarks/gpu_moe.py --tune``; docs/moe.md (GPU section)):
     slot-tile kernels (``unpermute_grad``, ``permute``) hold a ``[BLOCK_J, BLOCK_H]`` tile of at most 32 KiB with
     ``BLOCK_J`` the expected live slots per token ``K * R / N`` capped at 4 (``[4, 4096]`` on a full window,
     ``[2, 4096]`` on a quarter one); row kernels (``unpermute``, ``permute_grad``) move rows of at most 8 KiB, one

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Sequence
 
 import torch
 
@@ -21,6 +22,9 @@ from .._varlen import normalize_cu_seqlens, token_seq_positions
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
 STAT_LANES = 8
+
+#: CANN cumulative sequence lengths, without the leading 0
+SeqLens = Sequence[int] | torch.Tensor
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -44,9 +48,12 @@ def _backend_module(backend: str):
     return importlib.import_module(f".{'reference' if backend == 'reference' else 'torch_impl'}", __package__)
 
 
-def _resolve_backend(backend, device: torch.device) -> str:
+def _resolve_backend(backend, device: torch.device, dtype: torch.dtype) -> str:
     name = _checks.resolve_backend(backend, device)
-    if name == "triton" and backend == "auto" and importlib.util.find_spec(f"{__package__}.triton_impl") is None:
+    if name == "triton" and backend == "auto" and (
+        dtype == torch.float64 or importlib.util.find_spec(f"{__package__}.triton_impl") is None
+    ):
+        # the Triton kernels take fp32/fp16/bf16; auto sends float64 (a testing dtype) to the torch path
         return "torch"
     if name == "triton":
         _backend_module("triton")
@@ -261,22 +268,22 @@ _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def nsa_selected_attention(
-    query,
-    key,
-    value,
-    topk_indices,
-    scale_value,
-    head_num,
-    selected_block_size,
-    selected_block_count,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    topk_indices: torch.Tensor,
+    scale_value: float,
+    head_num: int,
+    selected_block_size: int,
+    selected_block_count: int,
     *,
-    atten_mask=None,
-    actual_seq_qlen=None,
-    actual_seq_kvlen=None,
-    sparse_mode=0,
-    backend="auto",
-    validate=True,
-):
+    atten_mask: torch.Tensor | None = None,
+    actual_seq_qlen: SeqLens | None = None,
+    actual_seq_kvlen: SeqLens | None = None,
+    sparse_mode: int = 0,
+    backend: str = "auto",
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NSA selected-block attention forward (spec/nsa.md §3), differentiable in query, key and value.
 
     Query token ``t`` (sequence ``b``, in-sequence position ``s1``) and query head ``h = n2*G + g`` attend the
@@ -314,35 +321,35 @@ def nsa_selected_attention(
         query, key, value, topk_indices, scale_value, head_num, selected_block_size, selected_block_count,
         atten_mask, actual_seq_qlen, actual_seq_kvlen, sparse_mode, "TND", validate,
     )
-    name = _resolve_backend(backend, device)
+    name = _resolve_backend(backend, device, query.dtype)
     out, m, l = _fwd_op(query, key, value, topk_indices, scale, bs, cu_q, cu_kv, causal, name)
     shape = (*m.shape, STAT_LANES)
     return out, m.unsqueeze(-1).expand(shape).contiguous(), l.unsqueeze(-1).expand(shape).contiguous()
 
 
 def nsa_selected_attention_grad(
-    query,
-    key,
-    value,
-    attention_out,
-    attention_out_grad,
-    softmax_max,
-    softmax_sum,
-    topk_indices,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_out: torch.Tensor,
+    attention_out_grad: torch.Tensor,
+    softmax_max: torch.Tensor,
+    softmax_sum: torch.Tensor,
+    topk_indices: torch.Tensor,
     *,
-    scale_value,
-    selected_block_size,
-    selected_block_count,
-    head_num,
-    actual_seq_qlen=None,
-    actual_seq_kvlen=None,
-    atten_mask=None,
-    sparse_mode=0,
-    input_layout="TND",
-    deterministic=None,
-    backend="auto",
-    validate=True,
-):
+    scale_value: float,
+    selected_block_size: int,
+    selected_block_count: int,
+    head_num: int,
+    actual_seq_qlen: SeqLens | None = None,
+    actual_seq_kvlen: SeqLens | None = None,
+    atten_mask: torch.Tensor | None = None,
+    sparse_mode: int = 0,
+    input_layout: str = "TND",
+    deterministic: bool | None = None,
+    backend: str = "auto",
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NSA selected attention backward, the CANN ``NsaSelectedAttentionGrad`` op (spec/nsa.md §4).
 
     With ``P = exp(x - m) / l`` recomputed on the visible keys from lane 0 of the given stats and
@@ -370,7 +377,7 @@ def nsa_selected_attention_grad(
         attention_out, attention_out_grad, softmax_max, softmax_sum, grad=True,
     )
     det = resolve_deterministic(deterministic)
-    name = _resolve_backend(backend, device)
+    name = _resolve_backend(backend, device, query.dtype)
     return _bwd_op(
         query, key, value, attention_out, attention_out_grad, softmax_max[..., 0].contiguous(),
         softmax_sum[..., 0].contiguous(), topk_indices, scale, bs, cu_q, cu_kv, causal, det, name,

@@ -6,16 +6,21 @@ inside a chunk everything is batched, with no Python loop over tokens:
 1. keys and values are copied once per call into a *block buffer* ``[N2 * NB, BS, D]`` (``NB`` = the blocks of
    all sequences, each sequence's last block zero-padded), so a selected block is one contiguous row of the
    buffer and ``topk`` ids turn into buffer rows with one add;
-2. per chunk, the slots that can see nothing (``-1``, or causal blocks that start after the query) are moved
-   to the end of each row and the chunk keeps only ``Kc`` = the largest count of live slots;
-3. each chunk runs in a *per token* layout (batch = token x KV head, rows = its G heads, keys = its live
-   blocks) or a *union* layout (batch = KV head, rows = G heads x the chunk's tokens, keys = every block the
-   chunk selected, masked per token), whichever computes less (see :meth:`_Plan.chunk`); either way the
-   blocks are gathered once per chunk with a row gather and the products are batched matmuls;
-4. the masked softmax fills invisible keys with ``-inf``, a row with no visible key gives ``out = 0``,
-   ``m = 0``, ``l = 0`` (no NaN);
-5. the backward adds ``dK_sel`` / ``dV_sel`` blockwise into ``dk`` / ``dv`` in the block buffer layout
-   (``index_add_`` over whole blocks; chunks in order), then scatters the buffer back to ``[T2, N2, D]``.
+2. per chunk, the slots that can see nothing (``-1``, or causal blocks that start after the query) are dropped;
+3. a chunk whose tokens pick overlapping blocks (it computes at most :data:`UNION_WASTE` times its live keys)
+   runs in the *union layout*: batch = KV head, rows = G heads x the chunk's tokens, keys = every block some
+   token of the chunk selected, masked per token (large matmuls, some wasted keys, no per-slot copies);
+   every other chunk runs in the *block-centric layout*: the chunk's live slots are sorted by (KV head, block)
+   and cut into *tiles* of ``M`` slots that share one block (the last tile of a block padded with empty rows);
+   a tile's rows are the G query heads of its M tokens, so every product is one batched matmul over tiles:
+   ``[M*G, Dqk] x [Dqk, BS]`` for the scores, ``[M*G, BS] x [BS, Dv]`` for ``P V``; ``dV`` and ``dK`` come
+   out per tile and are added blockwise into the block buffer;
+4. the softmax is split like flash-decoding: each slot row gives its max, ``sum exp`` and unnormalised
+   ``P V``; a token combines its slots by a gather over its slot rows (fixed slot order: deterministic), the
+   same way ``dQ`` sums its slots. A duplicated block id is two slots, so it counts twice;
+5. exponents are clamped at -80 before ``exp`` and invisible keys are multiplied by 0 afterwards: ``exp`` of
+   a number below -87 (an fp32 denormal or 0) takes a slow path on x86 CPUs, up to 100x slower;
+6. a row with no visible key gives ``out = 0``, ``m = 0``, ``l = 0`` (no NaN).
 
 Math is fp32 (float64 for float64 inputs); each output is rounded once to its input's dtype.
 """
@@ -24,14 +29,39 @@ from __future__ import annotations
 
 import torch
 
-#: bytes of gathered K and V per chunk (the backward holds about twice that again for dK_sel, dV_sel)
-CHUNK_BYTES = 32 * 2**20
-#: a chunk uses the union layout when it computes at most this many times the keys its tokens can see
+#: bytes of per-chunk work tensors (tiles, scores, per-slot products): small enough to stay in cache and
+#: below glibc's mmap threshold, so that chunk tensors are recycled instead of page-faulted in every time
+CHUNK_BYTES = 16 * 2**20
+#: slots per tile; None: chosen per chunk by :func:`_tile_size`
+TILE = None
+#: candidate tile sizes
+TILES = (1, 2, 4, 8, 16, 32, 64)
+#: a chunk uses the union layout when it computes at most this many times the keys its live slots see
+#: (0: never)
 UNION_WASTE = 2.0
 
 
 def _acc(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _exp_floor(acc: torch.dtype) -> float:
+    # exp() of anything below ~-87.3 is a denormal or 0 in fp32 (slow); e^-80 is negligible next to the max term
+    return -80.0 if acc == torch.float32 else -700.0
+
+
+def _tile_size(cnt: torch.Tensor, G: int) -> int:
+    """The tile size with the least estimated cost: padded rows, each tile also paying for a matmul call whose
+    efficiency grows with its rows (about ``1 + 64 / rows``)."""
+    if TILE is not None:
+        return TILE
+    best, best_m = None, 1
+    for M in TILES:
+        padded = int((-(-cnt // M)).sum()) * M
+        cost = padded * (1.0 + 64.0 / (M * G))
+        if best is None or cost < best:
+            best, best_m = cost, M
+    return best_m
 
 
 class _Plan:
@@ -81,11 +111,11 @@ class _Plan:
         rows = torch.nn.functional.embedding(self.key_row, buf.view(-1, D))
         return rows.view(self.N2, self.T2, D).transpose(0, 1).to(dtype).contiguous()
 
-    def chunks(self, bytes_per_key: int):
-        """Token ranges whose gathered K/V stay within :data:`CHUNK_BYTES`, sized by the live-slot count."""
+    def chunks(self, bytes_per_slot: int):
+        """Token ranges whose live slots' work tensors stay within :data:`CHUNK_BYTES`."""
         live = self._live_slots(0, self.T1)
         kmax = int(live.sum(-1).max()) if self.T1 else 0
-        per_token = max(1, self.N2 * max(kmax, 1) * self.bs * bytes_per_key)
+        per_token = max(1, self.N2 * max(kmax, 1) * bytes_per_slot)
         C = max(1, CHUNK_BYTES // per_token)
         return [(t0, min(self.T1, t0 + C)) for t0 in range(0, self.T1, C)]
 
@@ -98,39 +128,59 @@ class _Plan:
         return live
 
     def chunk(self, t0, t1):
-        """The work of tokens ``[t0, t1)`` as a :class:`_Job`, or None when no token of them sees a key.
-
-        Two layouts, picked by the compute they cost: *per token* (batch = token x KV head, the G heads as rows,
-        that token's live blocks gathered: no wasted keys, but small matmuls and a gather per token) and *union*
-        (batch = KV head, rows = G heads x the chunk's tokens, keys = every block some token of the chunk
-        selected, gathered once: large matmuls, masked where a token did not pick the block). Union is used when
-        it computes at most :data:`UNION_WASTE` times the live slots' keys."""
-        C, N2, bs = t1 - t0, self.N2, self.bs
+        """The work of tokens ``[t0, t1)``: a :class:`_UnionJob` when the union of their blocks costs at most
+        :data:`UNION_WASTE` times their live keys, else their tiles as a :class:`_Job`; None when no token of
+        them sees a key."""
+        C, N2, bs, dev = t1 - t0, self.N2, self.bs, self.topk.device
         blk = self.topk[t0:t1]
         live = self._live_slots(t0, t1)
-        n_live = live.sum(-1)
-        kc = int(n_live.max()) if C else 0
+        kc = int(live.sum(-1).max()) if C else 0
         if kc == 0:
             return None
-        # union of live blocks per KV head, as indices into that head's [NB] blocks
-        gblk = torch.where(live, self.base[t0:t1, None, None] + blk, 0)
-        mark = torch.zeros(N2, self.NB, dtype=torch.bool, device=blk.device)
-        head = torch.arange(N2, device=blk.device)[None, :, None].expand_as(gblk)
-        mark[head[live], gblk[live]] = True
-        U = int(mark.sum(-1).max())
-        if U * C * N2 <= UNION_WASTE * int(n_live.sum()):
-            return self._union_job(t0, t1, live, gblk, mark, U)
         if kc < self.K or not bool(live.all()):
             order = torch.sort(live.to(torch.uint8), dim=-1, descending=True, stable=True).indices[..., :kc]
             blk = blk.gather(-1, order)
             live = live.gather(-1, order)
-        # [C, N2, Kc, BS] in-sequence key positions
-        p = blk[..., None] * bs + torch.arange(bs, device=blk.device)
-        vis = live[..., None] & (p < self.s2[t0:t1, None, None, None])
+        # [C * N2 * Kc]: each slot's group (KV head x buffer block); dead slots sort last
+        heads = torch.arange(N2, device=dev)[None, :, None]
+        ngrp = N2 * self.NB
+        key = torch.where(live, heads * self.NB + self.base[t0:t1, None, None] + blk, ngrp).reshape(-1)
+        if UNION_WASTE > 0:
+            mark = torch.zeros(ngrp + 1, dtype=torch.bool, device=dev)
+            mark[key] = True
+            U = int(mark[:-1].view(N2, self.NB).sum(-1).max())
+            if U * C * N2 <= UNION_WASTE * int(live.sum()):
+                gblk = torch.where(live, self.base[t0:t1, None, None] + blk, 0)
+                return self._union_job(t0, t1, live, gblk, mark[:-1].view(N2, self.NB), U)
+        skey, order = torch.sort(key, stable=True)
+        n = int(live.sum())
+        skey, order = skey[:n], order[:n]
+        cnt = torch.bincount(skey, minlength=ngrp)
+        M = _tile_size(cnt, self.G)
+        ntile = -(-cnt // M)
+        first_slot = torch.cumsum(cnt, 0) - cnt
+        first_tile = torch.cumsum(ntile, 0) - ntile
+        NT = int(ntile.sum())
+        rank = torch.arange(n, device=dev) - first_slot[skey]
+        # tile row of each sorted slot: groups' tiles in group order, slots in token order inside a group
+        trow = (first_tile[skey] + rank // M) * M + rank % M
+        # [C * N2 * Kc] -> tile row; dead slots -> the extra row NT * M (holds the neutral value)
+        slot_row = torch.full((C * N2 * kc,), NT * M, dtype=torch.int64, device=dev)
+        slot_row[order] = trow
+        # [NT * M] -> token x KV head (c * N2 + h); padding rows -> the extra token row C * N2
+        row_tok = torch.full((NT * M,), C * N2, dtype=torch.int64, device=dev)
+        row_tok[trow] = order // kc
+        # [NT]: block buffer row of each tile
+        tile_blk = torch.repeat_interleave(torch.arange(ngrp, device=dev), ntile, output_size=NT)
+        # [NT * M, BS] key visibility; padding rows see everything (their queries are 0, their dY is 0)
+        tok = row_tok.clamp(max=C * N2 - 1) // N2 + t0
+        start = (tile_blk.repeat_interleave(M) % self.NB - self.base[tok]) * bs
+        p = start[:, None] + torch.arange(bs, device=dev)
+        vis = p < self.s2[tok, None]
         if self.causal:
-            vis &= p <= self.s1[t0:t1, None, None, None]
-        rows = torch.where(live, self.base[t0:t1, None, None] + blk, 0) + head[..., :kc] * self.NB
-        return _Job(self, C, C * N2, 1, rows.reshape(-1), kc, vis.reshape(C * N2, 1, 1, kc * bs), None)
+            vis &= p <= self.s1[tok, None]
+        vis |= (row_tok == C * N2)[:, None]
+        return _Job(self, C, kc, M, NT, slot_row, row_tok, tile_blk, None if bool(vis.all()) else vis)
 
     def _union_job(self, t0, t1, live, gblk, mark, U):
         C, N2, bs = t1 - t0, self.N2, self.bs
@@ -152,10 +202,10 @@ class _Plan:
         if bool((cnt > 1).any()):
             mult = (cnt[..., None] * vis).permute(1, 0, 2, 3).reshape(N2, 1, C, U * bs)
         rows = (ublk + heads[:, None] * self.NB).reshape(-1)
-        return _Job(self, C, N2, C, rows, U, vis.permute(1, 0, 2, 3).reshape(N2, 1, C, U * bs), mult)
+        return _UnionJob(self, C, N2, C, rows, U, vis.permute(1, 0, 2, 3).reshape(N2, 1, C, U * bs), mult)
 
 
-class _Job:
+class _UnionJob:
     """One chunk's work: ``BB`` batches of ``G*R`` query rows against ``nblk*BS`` gathered keys.
 
     ``rows``: block-buffer rows to gather, ``[BB * nblk]``; ``vis``: ``[BB, 1, R, KB]`` key visibility;
@@ -194,11 +244,99 @@ class _Job:
         x.view(self.BB, self.plan.G, self.R, self.KB).add_(bias)
         return x
 
-    def weigh(self, e):
-        """Apply key multiplicities to ``exp`` values (in place)."""
-        if self.mult is not None:
-            e.view(self.BB, self.plan.G, self.R, self.KB).mul_(self.mult.to(e.dtype))
-        return e
+    def probs(self, x, mx, acc):
+        """``exp(x - mx)`` in place, times the key multiplicity (0 on invisible keys)."""
+        x.sub_(mx).clamp_(_exp_floor(acc), 80.0).exp_()
+        w = self.vis if self.mult is None else self.mult
+        x.view(self.BB, self.plan.G, self.R, self.KB).mul_(w.to(x.dtype))
+        return x
+
+
+class _Job:
+    """One chunk's tiles: ``NT`` tiles of ``M`` slots x G heads against one block each.
+
+    ``slot_row [C*N2*Kc]``: each slot's tile row (dead: ``NT*M``, an extra row); ``row_tok [NT*M]``: each tile
+    row's token x KV head (padding: ``C*N2``, an extra row); ``tile_blk [NT]``: block buffer row per tile;
+    ``vis [NT*M, BS]``: key visibility, None when every key is visible."""
+
+    def __init__(self, plan, C, kc, M, NT, slot_row, row_tok, tile_blk, vis):
+        self.plan, self.C, self.kc, self.M, self.NT = plan, C, kc, M, NT
+        self.slot_row, self.row_tok, self.tile_blk, self.vis = slot_row, row_tok, tile_blk, vis
+        self.rows = tile_blk
+
+    def to_tiles(self, x, fill=0.0):
+        """``[C, N1, F]`` -> ``[NT, M*G, F]`` (padding rows = ``fill``)."""
+        C, N2, G, F = self.C, self.plan.N2, self.plan.G, x.shape[-1]
+        src = torch.cat([x.reshape(C * N2, G * F), x.new_full((1, G * F), fill)])
+        return torch.nn.functional.embedding(self.row_tok, src).view(self.NT, self.M * G, F)
+
+    def new_rows(self, x_like, F, fill):
+        """``[NT*M + 1, G*F]`` with the extra (dead slot) row set to ``fill``."""
+        buf = x_like.new_empty((self.NT * self.M + 1, self.plan.G * F))
+        buf[-1] = fill
+        return buf
+
+    def per_token(self, rows, F):
+        """``[NT*M + 1, G*F]`` per slot row -> ``[C*N2, Kc, G*F]`` per token (gather, slot order)."""
+        G = self.plan.G
+        return torch.nn.functional.embedding(self.slot_row, rows).view(self.C * self.plan.N2, self.kc, G * F)
+
+    def gather(self, buf):
+        # a row gather on the 2-D view copies whole blocks (a 3-D index_select goes element by element on CPU)
+        flat = torch.nn.functional.embedding(self.tile_blk, buf.view(buf.shape[0], -1))
+        return flat.view(self.NT, self.plan.bs, buf.shape[-1])
+
+    def from_tokens(self, x):
+        """``[C*N2, G*F]`` -> ``[C, N1, F]``."""
+        return x.view(self.C, self.plan.N1, -1)
+
+    def probs(self, s, m_rows, acc):
+        """``exp(s - m)`` in place, 0 on invisible keys; ``s [NT, M*G, BS]``, ``m_rows [NT*M, G]``."""
+        G, bs = self.plan.G, self.plan.bs
+        x = s.view(-1, G, bs)
+        x.sub_(m_rows.view(-1, G, 1)).clamp_(_exp_floor(acc), 80.0).exp_()
+        if self.vis is not None:
+            x.mul_(self.vis.view(-1, 1, bs).to(s.dtype))
+        return s
+
+
+def _forward_union(job, qs, kb, vb, acc):
+    """``(out [C, N1, Dv], m [C, N1], l [C, N1])`` of a union chunk, in ``acc``."""
+    ks, vs = job.gather(kb), job.gather(vb)
+    # [BB, G*R, KB]
+    x = job.scores(job.to_rows(qs), ks)
+    mx = x.amax(dim=-1, keepdim=True)
+    mx = torch.where(mx == float("-inf"), 0.0, mx)
+    job.probs(x, mx, acc)
+    sm = x.sum(dim=-1, keepdim=True)
+    inv = torch.where(sm > 0, 1.0 / sm, 0.0)
+    return job.from_rows(torch.bmm(x, vs).mul_(inv)), job.from_rows(mx)[..., 0], job.from_rows(sm)[..., 0]
+
+
+def _forward_tiles(job, qs, kb, vb, acc):
+    """``(out [C, N1, Dv], m [C, N1], l [C, N1])`` of a block-centric chunk, in ``acc``."""
+    G, bs, N1, Dv = job.plan.G, job.plan.bs, job.plan.N1, vb.shape[-1]
+    ks, vs = job.gather(kb), job.gather(vb)
+    # [NT, M*G, BS]
+    s = torch.bmm(job.to_tiles(qs), ks.transpose(1, 2))
+    if job.vis is not None:
+        bias = torch.zeros(job.vis.shape, dtype=acc, device=s.device).masked_fill_(~job.vis, float("-inf"))
+        s.view(-1, G, bs).add_(bias[:, None])
+    # [NT*M + 1, G]: each slot row's max over its block (the extra row stands for dead slots)
+    smax = job.new_rows(s, 1, float("-inf"))
+    torch.amax(s.view(-1, G, bs), dim=-1, out=smax[:-1])
+    # [C*N2, G]: the token's max over its slots; 0 when it has none
+    mt = job.per_token(smax, 1).amax(dim=1)
+    mt = torch.where(mt == float("-inf"), 0.0, mt)
+    p = job.probs(s, job.to_tiles(mt.view(job.C, N1, 1)), acc)
+    ssum = job.new_rows(s, 1, 0.0)
+    torch.sum(p.view(-1, G, bs), dim=-1, out=ssum[:-1])
+    o = job.new_rows(s, Dv, 0.0)
+    torch.bmm(p, vs, out=o[:-1].view(job.NT, job.M * G, Dv))
+    lt = job.per_token(ssum, 1).sum(dim=1)
+    ot = job.per_token(o, Dv).sum(dim=1).view(-1, G, Dv)
+    inv = torch.where(lt > 0, 1.0 / lt, 0.0)
+    return job.from_tokens(ot.mul_(inv[..., None])), job.from_tokens(mt)[..., 0], job.from_tokens(lt)[..., 0]
 
 
 def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
@@ -214,21 +352,13 @@ def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
     kb = plan.to_blocks(k, acc)
     vb = plan.to_blocks(v, acc)
     elt = torch.finfo(acc).bits // 8
-    for t0, t1 in plan.chunks((Dqk + Dv) * elt):
+    for t0, t1 in plan.chunks(plan.G * (Dqk + 2 * Dv + bs) * elt):
         job = plan.chunk(t0, t1)
         if job is None:
             continue
-        ks, vs = job.gather(kb), job.gather(vb)
-        # [BB, G*R, KB]
-        x = job.scores(job.to_rows(q[t0:t1].to(acc) * scale), ks)
-        mx = x.amax(dim=-1, keepdim=True)
-        mx = torch.where(mx == float("-inf"), 0.0, mx)
-        job.weigh(x.sub_(mx).exp_())
-        sm = x.sum(dim=-1, keepdim=True)
-        inv = torch.where(sm > 0, 1.0 / sm, 0.0)
-        out[t0:t1] = job.from_rows(torch.bmm(x, vs).mul_(inv)).to(q.dtype)
-        m[t0:t1] = job.from_rows(mx)[..., 0]
-        l[t0:t1] = job.from_rows(sm)[..., 0]
+        run = _forward_union if isinstance(job, _UnionJob) else _forward_tiles
+        o, m[t0:t1], l[t0:t1] = run(job, q[t0:t1].to(acc) * scale, kb, vb, acc)
+        out[t0:t1] = o.to(q.dtype)
     return out, m, l
 
 
@@ -244,11 +374,49 @@ def _accumulate(buf, rows, src, deterministic):
         flat.index_add_(0, rows, src)
 
 
+def _backward_union(job, qs, dy, o, mc, lc, kb, vb, acc):
+    """``(dq / scale [C, N1, Dqk], dK per gathered block, dV per gathered block)`` of a union chunk."""
+    ks, vs = job.gather(kb), job.gather(vb)
+    qs, dy, o, mc = job.to_rows(qs), job.to_rows(dy), job.to_rows(o), job.to_rows(mc)
+    inv = job.to_rows(torch.where(lc > 0, 1.0 / lc, 0.0))
+    # [BB, G*R, KB]: P recomputed from the given stats, 0 on invisible keys
+    p = job.probs(job.scores(qs, ks), mc, acc).mul_(inv)
+    # [BB, KB, Dv]
+    dvs = torch.bmm(p.transpose(1, 2), dy)
+    # [BB, G*R, KB]: dS = P * (dP - rowsum(dY * O))
+    ds = torch.bmm(dy, vs.transpose(1, 2))
+    ds.sub_((dy * o).sum(dim=-1, keepdim=True)).mul_(p)
+    dks = torch.bmm(ds.transpose(1, 2), qs)
+    bs = job.plan.bs
+    return job.from_rows(torch.bmm(ds, ks)), dks.view(-1, bs, dks.shape[-1]), dvs.view(-1, bs, dvs.shape[-1])
+
+
+def _backward_tiles(job, qs, dy, o, mc, lc, kb, vb, acc):
+    """``(dq / scale [C, N1, Dqk], dK per tile, dV per tile)`` of a block-centric chunk."""
+    G, Dqk = job.plan.G, kb.shape[-1]
+    ks, vs = job.gather(kb), job.gather(vb)
+    qt, dyt = job.to_tiles(qs), job.to_tiles(dy)
+    # [NT, M*G, BS]: P recomputed from the given stats, 0 on invisible keys
+    p = job.probs(torch.bmm(qt, ks.transpose(1, 2)), job.to_tiles(mc), acc)
+    p.mul_(job.to_tiles(torch.where(lc > 0, 1.0 / lc, 0.0)))
+    # [NT, BS, Dv]
+    dvt = torch.bmm(p.transpose(1, 2), dyt)
+    # [NT, M*G, BS]: dS = P * (dP - rowsum(dY * O))
+    ds = torch.bmm(dyt, vs.transpose(1, 2))
+    ds.sub_(job.to_tiles((dy * o).sum(dim=-1, keepdim=True))).mul_(p)
+    dqs = job.new_rows(ds, Dqk, 0.0)
+    torch.bmm(ds, ks, out=dqs[:-1].view(job.NT, job.M * G, Dqk))
+    # [NT, BS, Dqk]
+    dkt = torch.bmm(ds.transpose(1, 2), qt)
+    return job.from_tokens(job.per_token(dqs, Dqk).sum(dim=1)), dkt, dvt
+
+
 def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, deterministic=False):
     acc = _acc(q)
     T1, N1, Dqk = q.shape
     Dv = v.shape[2]
     plan = _Plan(q, k, topk, bs, cu_q, cu_kv, causal)
+    G = plan.G
     dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     if T1 == 0 or plan.NB == 0:
         return dq, torch.zeros_like(k), torch.zeros_like(v)
@@ -257,27 +425,14 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     dkb = torch.zeros_like(kb)
     dvb = torch.zeros_like(vb)
     elt = torch.finfo(acc).bits // 8
-    for t0, t1 in plan.chunks((Dqk + Dv) * elt * 2):
+    for t0, t1 in plan.chunks(G * (3 * Dqk + 2 * Dv + 3 * bs) * elt):
         job = plan.chunk(t0, t1)
         if job is None:
             continue
-        ks, vs = job.gather(kb), job.gather(vb)
-        qs = job.to_rows(q[t0:t1].to(acc) * scale)
-        dy = job.to_rows(dout[t0:t1].to(acc))
-        o = job.to_rows(out[t0:t1].to(acc))
-        mc = job.to_rows(m[t0:t1, :, None].to(acc))
-        lc = job.to_rows(l[t0:t1, :, None].to(acc))
-        inv = torch.where(lc > 0, 1.0 / lc, 0.0)
-        # [BB, G*R, KB]: P recomputed from the given stats, 0 on invisible keys
-        p = job.weigh(job.scores(qs, ks).sub_(mc).exp_()).mul_(inv)
-        # [BB, KB, Dv]
-        dvs = torch.bmm(p.transpose(1, 2), dy)
-        # [BB, G*R, KB]: dS = P * (dP - rowsum(dY * O))
-        ds = torch.bmm(dy, vs.transpose(1, 2))
-        ds.sub_((dy * o).sum(dim=-1, keepdim=True)).mul_(p)
-        dq[t0:t1] = job.from_rows(torch.bmm(ds, ks).mul_(scale)).to(q.dtype)
-        # [BB, KB, Dqk]
-        dks = torch.bmm(ds.transpose(1, 2), qs)
-        _accumulate(dkb, job.rows, dks.view(-1, bs, Dqk), deterministic)
-        _accumulate(dvb, job.rows, dvs.view(-1, bs, Dv), deterministic)
+        run = _backward_union if isinstance(job, _UnionJob) else _backward_tiles
+        dqc, dkt, dvt = run(job, q[t0:t1].to(acc) * scale, dout[t0:t1].to(acc), out[t0:t1].to(acc),
+                            m[t0:t1, :, None].to(acc), l[t0:t1, :, None].to(acc), kb, vb, acc)
+        dq[t0:t1] = dqc.mul_(scale).to(q.dtype)
+        _accumulate(dkb, job.rows, dkt, deterministic)
+        _accumulate(dvb, job.rows, dvt, deterministic)
     return dq, plan.from_blocks(dkb, k.dtype), plan.from_blocks(dvb, v.dtype)

@@ -1,6 +1,6 @@
 """Triton MoE kernels against the reference oracle (float64 on upcast inputs), in their own pytest process:
 
-    TRITON_INTERPRET=1 TRITON_F32_DEFAULT=ieee python -m pytest tests/moe/test_triton.py
+    TRITON_INTERPRET=1 TRITON_F32_DEFAULT=ieee python -m pytest tests/moe/test_moe_triton.py
 
 Runs only under the interpreter or with CUDA. Every fresh output the launchers allocate is NaN-poisoned
 (see ``poisoned_outputs``), so an element no program writes fails loudly.

@@ -1,0 +1,473 @@
+"""NSA selected attention on the GPU: Triton forward / backward (atomic and deterministic) vs a bf16 matmul.
+
+    python benchmarks/gpu_nsa.py              # full run (T = 8K, 32K, 64K at G = 16; G = 1, 4 at 32K)
+    python benchmarks/gpu_nsa.py --quick      # T = 8K and 32K only
+    python benchmarks/gpu_nsa.py --cpu-smoke  # correctness part + table code under TRITON_INTERPRET=1, tiny
+    python benchmarks/gpu_nsa.py --compile-check  # Hopper cubins without a GPU: registers and spills
+
+First checks correctness (Triton vs the float64 reference on a tiny shape, and vs a dense fp32 gather
+implementation with autograd and the torch backend on a moderate shape; aborts if wrong), then times each op with
+``triton.testing.do_bench`` (median) and reports TFLOP/s on *visible-key* FLOPs:
+forward ``2 * (Dqk + Dv) * G * visible (token, key) pairs``, backward 2.5x that, and the ratio to a
+bf16 matmul measured in the same run. fla-core's ``parallel_nsa`` is timed when installed (it needs G a
+power of two >= 16). Results: a table on stdout and JSON at ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+if __name__ == "__main__" and "--cpu-smoke" in sys.argv:
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from sparseops import testing  # noqa: E402
+from sparseops._varlen import seq_lengths, token_seq_positions  # noqa: E402
+from sparseops.nsa import reference, triton_impl  # noqa: E402
+
+PAPER = dict(N2=4, G=16, Dqk=192, Dv=128, bs=64, K=16)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# inputs and counts
+# ------------------------------------------------------------------------------------------------------------
+
+
+def make_inputs(seqlens, *, N2, G, Dqk, Dv, bs, K, dtype, device, causal=True, seed=0):
+    """Random q/k/v made on the device; block ids drawn on the device (distinct, causal-allowed, -1 if none)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    T = sum(seqlens)
+    q = torch.randn(T, N2 * G, Dqk, generator=g, device=device, dtype=torch.float32).to(dtype)
+    k = torch.randn(T, N2, Dqk, generator=g, device=device, dtype=torch.float32).to(dtype)
+    v = torch.randn(T, N2, Dv, generator=g, device=device, dtype=torch.float32).to(dtype)
+    parts = []
+    for S in seqlens:
+        nblk = max(1, -(-S // bs))
+        for c0 in range(0, S, 8192):
+            c1 = min(S, c0 + 8192)
+            pos = torch.arange(c0, c1, device=device)
+            scores = torch.rand(c1 - c0, N2, nblk, generator=g, device=device)
+            allowed = (torch.arange(nblk, device=device) * bs < S)[None, :].expand(c1 - c0, nblk)
+            if causal:
+                allowed = allowed & (torch.arange(nblk, device=device)[None, :] * bs <= pos[:, None])
+            scores = scores.masked_fill(~allowed[:, None, :], -1.0)
+            kk = min(K, nblk)
+            val, idx = scores.topk(kk, dim=-1)
+            idx = torch.where(val >= 0, idx, torch.full_like(idx, -1))
+            if kk < K:
+                idx = torch.cat([idx, idx.new_full((c1 - c0, N2, K - kk), -1)], dim=-1)
+            parts.append(idx)
+    topk = torch.cat(parts).to(torch.int32)
+    cu = [0]
+    for S in seqlens:
+        cu.append(cu[-1] + S)
+    return q, k, v, topk, cu
+
+
+def visible_pairs(topk, bs, cu_q, cu_kv, causal):
+    """Number of visible (query token, KV head, key) triples, counting duplicates (spec §2)."""
+    dev = topk.device
+    seq_id, pos = token_seq_positions(cu_q, device=dev)
+    s2 = torch.tensor(seq_lengths(cu_kv), dtype=torch.int64, device=dev)[seq_id]
+    lim = torch.minimum(s2, pos + 1) if causal else s2
+    start = topk.to(torch.int64) * bs
+    n = torch.clamp(lim[:, None, None] - start, min=0, max=bs)
+    return int(torch.where(topk >= 0, n, torch.zeros_like(n)).sum())
+
+
+def dense_gather(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
+    """Vectorized fp32 NSA forward by gathering the K*bs keys of every (token, KV head); autograd gives grads."""
+    T1, N1, Dqk = q.shape
+    N2, Dv = k.shape[1], v.shape[2]
+    G, K = N1 // N2, topk.shape[2]
+    dev = q.device
+    seq_id, pos = token_seq_positions(cu_q, device=dev)
+    kv0 = torch.tensor(cu_kv[:-1], dtype=torch.int64, device=dev)[seq_id]
+    s2 = torch.tensor(seq_lengths(cu_kv), dtype=torch.int64, device=dev)[seq_id]
+    idx = topk.to(torch.int64)
+    p = (idx[..., None] * bs + torch.arange(bs, device=dev)).reshape(T1, N2, K * bs)  # [T1, N2, K*bs]
+    vis = (idx[..., None] >= 0).expand(T1, N2, K, bs).reshape(T1, N2, K * bs) & (p < s2[:, None, None])
+    if causal:
+        vis = vis & (p <= pos[:, None, None])
+    rows = torch.where(vis, kv0[:, None, None] + p, torch.zeros_like(p))
+    heads = torch.arange(N2, device=dev)[None, :, None]
+    kg = k.float()[rows, heads]  # [T1, N2, K*bs, Dqk]
+    vg = v.float()[rows, heads]
+    s = torch.einsum("tngd,tnkd->tngk", q.float().view(T1, N2, G, Dqk), kg) * scale
+    s = s.masked_fill(~vis[:, :, None, :], float("-inf"))
+    mx = s.amax(-1, keepdim=True)
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+    e = torch.exp(s - mx)
+    den = e.sum(-1, keepdim=True)
+    w = e / torch.where(den > 0, den, torch.ones_like(den))
+    return torch.einsum("tngk,tnkd->tngd", w, vg).reshape(T1, N1, Dv)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# correctness gate
+# ------------------------------------------------------------------------------------------------------------
+
+
+def check_reference(device):
+    """Tiny shape, fp32 inputs, against the float64 reference: forward and all gradients, both dK/dV paths."""
+    a = testing.make_nsa_inputs([7, 21], [30, 40], N1=4, N2=2, Dqk=48, Dv=32, bs=16, K=3, empty_frac=0.2,
+                                duplicates=True, device=device)
+    q, k, v, topk = a["query"], a["key"], a["value"], a["topk_indices"]
+    cu_q = [0] + a["actual_seq_qlen"]
+    cu_kv = [0] + a["actual_seq_kvlen"]
+    sc, bs = a["scale_value"], a["selected_block_size"]
+    out, m, l = triton_impl.forward(q, k, v, topk, sc, bs, cu_q, cu_kv, True)
+    r = reference.forward(q.double(), k.double(), v.double(), topk, sc, bs, cu_q, cu_kv, True)
+    testing.assert_close(out, r[0], torch.float32, "out (tiny)")
+    dout = torch.randn_like(out)
+    rg = reference.backward(q.double(), k.double(), v.double(), r[0], dout.double(), r[1], r[2], topk, sc, bs,
+                            cu_q, cu_kv, True)
+    for det in (False, True):
+        gs = triton_impl.backward(q, k, v, out, dout, m, l, topk, sc, bs, cu_q, cu_kv, True, deterministic=det)
+        for name, x, y in zip(("dq", "dk", "dv"), gs, rg):
+            testing.assert_close(x, y, torch.float32, f"{name} (tiny, deterministic={det})")
+
+
+def check_dense(device, T, G, dtype, Dqk, Dv, bs, K, N2):
+    """Moderate shape in the benchmark dtype against the dense fp32 gather (inputs upcast from the same values)."""
+    q, k, v, topk, cu = make_inputs([T // 2, T - T // 2], N2=N2, G=G, Dqk=Dqk, Dv=Dv, bs=bs, K=K, dtype=dtype,
+                                    device=device, seed=1)
+    sc = 1.0 / math.sqrt(Dqk)
+    out, m, l = triton_impl.forward(q, k, v, topk, sc, bs, cu, cu, True)
+    leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+    ref = dense_gather(*leaves, topk, sc, bs, cu, cu, True)
+    testing.assert_close(out, ref, dtype, f"out (T={T}, G={G})")
+    dout = torch.randn_like(out)
+    ref.backward(dout.float())
+    gs = triton_impl.backward(q, k, v, out, dout, m, l, topk, sc, bs, cu, cu, True, deterministic=False)
+    gd = triton_impl.backward(q, k, v, out, dout, m, l, topk, sc, bs, cu, cu, True, deterministic=True)
+    gd2 = triton_impl.backward(q, k, v, out, dout, m, l, topk, sc, bs, cu, cu, True, deterministic=True)
+    for name, x, y, z, w in zip(("dq", "dk", "dv"), gs, gd, gd2, leaves):
+        testing.assert_close(x, w.grad, dtype, f"{name} (T={T}, G={G})")
+        testing.assert_close(y, w.grad, dtype, f"{name} deterministic (T={T}, G={G})")
+        if not torch.equal(y, z):
+            raise AssertionError(f"{name}: deterministic backward differs between two calls")
+    try:
+        from sparseops.nsa import torch_impl
+    except ImportError:
+        return
+    # the torch backend on the same (upcast) inputs: a second, independent implementation
+    up = [t.detach().float() for t in (q, k, v)]
+    t_out, _, _ = torch_impl.forward(*up, topk, sc, bs, cu, cu, True)
+    testing.assert_close(out, t_out, dtype, f"out vs torch_impl (T={T}, G={G})")
+    tg = torch_impl.backward(*up, t_out, dout.float(), m, l, topk, sc, bs, cu, cu, True)
+    for name, x, y in zip(("dq", "dk", "dv"), gs, tg):
+        testing.assert_close(x, y, dtype, f"{name} vs torch_impl (T={T}, G={G})")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# timing
+# ------------------------------------------------------------------------------------------------------------
+
+
+def bench(fn, smoke):
+    if smoke:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def matmul_tflops(device, smoke):
+    n = 256 if smoke else 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16 if not smoke else torch.float32)
+    b = torch.randn(n, n, device=device, dtype=a.dtype)
+    ms = bench(lambda: a @ b, smoke)
+    return 2 * n**3 / ms / 1e9
+
+
+def fla_runner(q, k, v, topk, bs, cu, scale, ref_out=None):
+    """fla-core's parallel_nsa forward+backward closures, or a string saying why it cannot run."""
+    try:
+        from fla.ops.nsa import parallel_nsa  # type: ignore
+    except Exception as e:  # noqa: BLE001
+        return f"not installed ({type(e).__name__})"
+    N1, N2 = q.shape[1], k.shape[1]
+    G = N1 // N2
+    if G < 16 or G & (G - 1):
+        return f"cannot run: fla needs G a power of two >= 16, got {G}"
+    T1 = q.shape[0]
+    cu_t = torch.tensor(cu, dtype=torch.int64, device=q.device)
+    qq, kk, vv = (t.detach()[None].requires_grad_(True) for t in (q, k, v))
+    bi = topk.to(torch.int64)[None]
+    counts = (topk >= 0).sum(-1).to(torch.int64)[None]
+    gate = torch.ones(1, T1, N1, device=q.device, dtype=q.dtype)
+    kw = dict(g_slc=gate, g_swa=None, block_indices=bi, block_counts=counts, block_size=bs, scale=scale,
+              cu_seqlens=cu_t)
+    try:  # newer fla-core has a g_cmp gate before g_slc; older releases do not
+        import inspect
+
+        if "g_cmp" in inspect.signature(parallel_nsa).parameters:
+            kw["g_cmp"] = None
+    except (TypeError, ValueError):
+        pass
+
+    def fwd():
+        return parallel_nsa(qq, kk, vv, **kw)
+
+    try:
+        o = fwd()
+        do = torch.randn_like(o)
+        o.backward(do)
+    except Exception as e:  # noqa: BLE001
+        return f"failed: {type(e).__name__}: {str(e)[:160]}"
+    o = fwd()
+    if ref_out is not None:
+        err = testing.rel_rms_error(o[0].float(), ref_out.float())
+        print(f"  fla parallel_nsa output vs ours: relative RMS {err:.2e}", flush=True)
+
+    def bwd():
+        for t in (qq, kk, vv):
+            t.grad = None
+        o.backward(do, retain_graph=True)
+
+    return fwd, bwd
+
+
+def run_row(device, T, G, dtype, smoke, cfg):
+    N2, Dqk, Dv, bs, K = cfg["N2"], cfg["Dqk"], cfg["Dv"], cfg["bs"], cfg["K"]
+    q, k, v, topk, cu = make_inputs([T], N2=N2, G=G, Dqk=Dqk, Dv=Dv, bs=bs, K=K, dtype=dtype, device=device)
+    sc = 1.0 / math.sqrt(Dqk)
+    vis = visible_pairs(topk, bs, cu, cu, True)
+    fwd_flop = 2.0 * (Dqk + Dv) * G * vis
+    bwd_flop = 2.5 * fwd_flop
+    out, m, l = triton_impl.forward(q, k, v, topk, sc, bs, cu, cu, True)
+    dout = torch.randn_like(out)
+    row = {"T": T, "G": G, "N2": N2, "Dqk": Dqk, "Dv": Dv, "bs": bs, "K": K, "visible_pairs": vis,
+           "fwd_flop": fwd_flop, "bwd_flop": bwd_flop}
+    row["fwd_ms"] = bench(lambda: triton_impl.forward(q, k, v, topk, sc, bs, cu, cu, True), smoke)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    row["bwd_ms"] = bench(lambda: triton_impl.backward(q, k, v, out, dout, m, l, topk, sc, bs, cu, cu, True), smoke)
+    if device == "cuda":
+        row["bwd_extra_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        torch.cuda.reset_peak_memory_stats()
+    row["bwd_det_ms"] = bench(lambda: triton_impl.backward(q, k, v, out, dout, m, l, topk, sc, bs, cu, cu, True,
+                                                           deterministic=True), smoke)
+    if device == "cuda":
+        row["bwd_det_extra_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    fla = fla_runner(q, k, v, topk, bs, cu, sc, out) if not smoke else "skipped (smoke)"
+    if isinstance(fla, str):
+        row["fla"] = fla
+    else:
+        row["fla"] = "ok"
+        row["fla_fwd_ms"] = bench(fla[0], smoke)
+        row["fla_bwd_ms"] = bench(fla[1], smoke)
+    return row
+
+
+# ------------------------------------------------------------------------------------------------------------
+# offline compile check (no GPU needed): Hopper cubins, registers and spills
+# ------------------------------------------------------------------------------------------------------------
+
+
+def compile_check(Gs=(1, 4, 16, 32), cfg=None):
+    """Compile every kernel for sm_90 at the paper's dims without a GPU and print registers / spill stack."""
+    import shutil
+    import tempfile
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from sparseops.nsa import triton_kernels as kern
+
+    cfg = cfg or PAPER
+    N2, Dqk, Dv, BS, K = cfg["N2"], cfg["Dqk"], cfg["Dv"], cfg["bs"], cfg["K"]
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    cuobjdump = shutil.which("cuobjdump") or str(bin_dir / "cuobjdump")
+    hb = triton_impl._head_blocks(Dqk, Dv)
+    i32, i64, f32, bf = "*i32", "*i64", "*fp32", "*bf16"
+
+    def one(fn, ptrs, consts, num_warps):
+        sig = {n: ("constexpr" if n in consts else ptrs.get(n, "fp32")) for n in fn.arg_names}
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
+        src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()}, attrs=attrs)
+        c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 2})
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(c.asm["cubin"])
+            f.flush()
+            res = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        use = " ".join(w for line in res.splitlines() if "REG" in line for w in line.split() if w[:4] in ("REG:", "STAC"))
+        print(f"  {fn.__name__:<24} warps={num_warps} smem={c.metadata.shared:>6} {use}", flush=True)
+
+    for G in Gs:
+        print(f"G={G}:")
+        bg, gk = max(16, triton_impl._next_pow2(G)), triton_impl._next_pow2(G)
+        common = dict(N1=N2 * G, N2=N2, G=G, BS=BS, BLOCK_BS=triton_impl._next_pow2(BS), Dqk=Dqk, Dv=Dv,
+                      CAUSAL=True, DOT=tl.bfloat16, PREC="tf32", **hb)
+        meta = {"tok_pos": i32, "tok_kv0": i64, "tok_s2": i32, "topk": i32}
+        warps = 4 if bg <= 16 else 8
+        one(kern.nsa_fwd_kernel, {**dict.fromkeys("q k v o".split(), bf), "m_out": f32, "l_out": f32, **meta},
+            {**common, "K": K, "BLOCK_G": bg}, warps)
+        one(kern.nsa_bwd_dq_kernel, {**dict.fromkeys("q k v o do dq".split(), bf),
+                                     **dict.fromkeys("m_in l_in delta".split(), f32), **meta},
+            {**common, "K": K, "BLOCK_G": bg}, warps)
+        for det in (False, True):
+            one(kern.nsa_bwd_dkv_kernel, {**dict.fromkeys("q k v do".split(), bf),
+                                          **dict.fromkeys("m_in l_in delta dk dv ws_k ws_v".split(), f32),
+                                          "ent_tok": i32, "ch_blk": i64, "ch_e0": i64, "ch_e1": i64, "blk_row0": i64,
+                                          "blk_p0": i32, "blk_n": i32, "tok_pos": i32},
+                {**common, "BLOCK_G": gk, "BLOCK_E": max(1, triton_impl.DKV_ROWS // gk), "DETERMINISTIC": det,
+                 "USE_WHILE": False}, triton_impl._dkv_warps(BS, hb))
+    one(kern.nsa_bwd_reduce_kernel, {"ws_k": f32, "ws_v": f32, "blk_c0": i64, "blk_c1": i64, "blk_row0": i64,
+                                     "blk_n": i32, "dk": bf, "dv": bf},
+        dict(N2=N2, BS=BS, BLOCK_BS=triton_impl._next_pow2(BS), Dqk=Dqk, Dv=Dv, BLOCK_D=64), 4)
+
+
+def tune(device, cfg, smoke=False):
+    """Time forward / backward variants of the module-level launch settings at T = 32K, G = 16."""
+    N2, Dqk, Dv, bs, K = cfg["N2"], cfg["Dqk"], cfg["Dv"], cfg["bs"], cfg["K"]
+    q, k, v, topk, cu = make_inputs([48 if smoke else 32768], N2=N2, G=2 if smoke else 16, Dqk=Dqk, Dv=Dv, bs=bs,
+                                    K=K, dtype=torch.float32 if smoke else torch.bfloat16, device=device)
+    sc = 1.0 / math.sqrt(Dqk)
+    out, m, l = triton_impl.forward(q, k, v, topk, sc, bs, cu, cu, True)
+    dout = torch.randn_like(out)
+    names = ("FWD_STAGES", "DKV_ROWS", "DKV_WARPS", "DKV_STAGES", "CHUNK")
+    base = {n: getattr(triton_impl, n) for n in names}
+    variants = [{}, {"DKV_ROWS": 64}, {"CHUNK": 64}] if smoke else [{}, {"FWD_STAGES": 3}, {"FWD_STAGES": 1}, {"DKV_ROWS": 16}, {"DKV_ROWS": 64},
+                {"DKV_STAGES": 3}, {"DKV_STAGES": 1}, {"CHUNK": 64}, {"CHUNK": 1024}, {"DKV_WARPS": 4}]
+    res = []
+    for var in variants:
+        try:
+            for n, val in {**base, **var}.items():
+                setattr(triton_impl, n, val)
+            f = bench(lambda: triton_impl.forward(q, k, v, topk, sc, bs, cu, cu, True), smoke)
+            b = bench(lambda: triton_impl.backward(q, k, v, out, dout, m, l, topk, sc, bs, cu, cu, True), smoke)
+            d = bench(lambda: triton_impl.backward(q, k, v, out, dout, m, l, topk, sc, bs, cu, cu, True,
+                                                   deterministic=True), smoke)
+            res.append({**var, "fwd_ms": f, "bwd_ms": b, "bwd_det_ms": d})
+            print(f"tune {var or 'base'}: fwd {f:.3f} ms, bwd {b:.3f} ms, det {d:.3f} ms", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"tune {var} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            res.append({**var, "error": f"{type(e).__name__}: {e}"})
+    for n, val in base.items():
+        setattr(triton_impl, n, val)
+    return res
+
+
+def git_commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="T = 8K and 32K only")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_nsa.json"))
+    ap.add_argument("--tune", action="store_true", help="also time launch-setting variants at T=32K, G=16")
+    ap.add_argument("--compile-check", action="store_true",
+                    help="compile the kernels for sm_90 without a GPU and print registers / spills")
+    args = ap.parse_args()
+    if args.compile_check:
+        compile_check()
+        return
+    smoke = args.cpu_smoke
+    if not smoke and not torch.cuda.is_available():
+        sys.exit("gpu_nsa.py needs a CUDA device (or --cpu-smoke)")
+    device = "cpu" if smoke else "cuda"
+    import triton
+
+    t0 = time.time()
+    print("correctness: tiny shape vs float64 reference ...", flush=True)
+    check_reference(device)
+    if smoke:
+        check_dense(device, 40, 2, torch.float32, 48, 32, 16, 2, 2)
+    else:
+        check_dense(device, 1024, 16, torch.bfloat16, **{k: PAPER[k] for k in ("Dqk", "Dv", "bs", "K", "N2")})
+        check_dense(device, 512, 1, torch.bfloat16, **{k: PAPER[k] for k in ("Dqk", "Dv", "bs", "K", "N2")})
+    print(f"correctness ok ({time.time() - t0:.1f}s)", flush=True)
+
+    mm = matmul_tflops(device, smoke)
+    print(f"bf16 matmul 8192^3: {mm:.1f} TFLOP/s", flush=True)
+    if smoke:
+        cfg = dict(N2=2, Dqk=32, Dv=16, bs=16, K=2)
+        rows_todo = [(48, 2), (48, 1)]
+        dtype = torch.float32
+    else:
+        cfg = {k: PAPER[k] for k in ("N2", "Dqk", "Dv", "bs", "K")}
+        Ts = [8192, 32768] if args.quick else [8192, 32768, 65536]
+        rows_todo = [(T, 16) for T in Ts] + [(32768 if not args.quick else 8192, g) for g in (1, 4)]
+        dtype = torch.bfloat16
+    rows = []
+    for T, G in rows_todo:
+        try:
+            r = run_row(device, T, G, dtype, smoke, cfg)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            print(f"row T={T} G={G} failed: {type(e).__name__}: {e}", flush=True)
+            rows.append({"T": T, "G": G, "error": f"{type(e).__name__}: {e}"})
+            continue
+        r["fwd_tflops"] = r["fwd_flop"] / r["fwd_ms"] / 1e9
+        r["bwd_tflops"] = r["bwd_flop"] / r["bwd_ms"] / 1e9
+        r["bwd_det_tflops"] = r["bwd_flop"] / r["bwd_det_ms"] / 1e9
+        r["fwd_pct_matmul"] = 100 * r["fwd_tflops"] / mm
+        r["bwd_pct_matmul"] = 100 * r["bwd_tflops"] / mm
+        r["det_over_default"] = r["bwd_det_ms"] / r["bwd_ms"]
+        if "fla_bwd_ms" in r:
+            r["bwd_speedup_vs_fla"] = r["fla_bwd_ms"] / r["bwd_ms"]
+        rows.append(r)
+        print(f"row T={T} G={G}: fwd {r['fwd_ms']:.3f} ms, bwd {r['bwd_ms']:.3f} ms, det {r['bwd_det_ms']:.3f} ms",
+              flush=True)
+
+    hdr = (f"{'T':>6} {'G':>3} | {'fwd ms':>8} {'TF/s':>6} {'%mm':>5} | {'bwd ms':>8} {'TF/s':>6} {'%mm':>5} | "
+           f"{'det ms':>8} {'det/def':>7} | fla")
+    print()
+    print(f"NSA selected attention, N2={cfg['N2']} Dqk={cfg['Dqk']} Dv={cfg['Dv']} bs={cfg['bs']} K={cfg['K']}, "
+          f"causal, {str(dtype).replace('torch.', '')}; matmul {mm:.1f} TFLOP/s; FLOPs on visible keys")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        if "error" in r:
+            print(f"{r['T']:>6} {r['G']:>3} | failed: {r['error'][:80]}")
+            continue
+        fla = r["fla"] if "fla_bwd_ms" not in r else (
+            f"fwd {r['fla_fwd_ms']:.3f} ms, bwd {r['fla_bwd_ms']:.3f} ms (bwd x{r['bwd_speedup_vs_fla']:.2f})")
+        print(f"{r['T']:>6} {r['G']:>3} | {r['fwd_ms']:>8.3f} {r['fwd_tflops']:>6.1f} {r['fwd_pct_matmul']:>5.1f} | "
+              f"{r['bwd_ms']:>8.3f} {r['bwd_tflops']:>6.1f} {r['bwd_pct_matmul']:>5.1f} | "
+              f"{r['bwd_det_ms']:>8.3f} {r['det_over_default']:>7.2f} | {fla}")
+
+    tuned = tune(device, cfg, smoke) if args.tune else None
+    meta = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit(),
+        "smoke": smoke, "matmul_tflops": mm, "config": cfg, "dtype": str(dtype), "chunk": triton_impl.CHUNK,
+        "wall_s": time.time() - t0,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "rows": rows, "tune": tuned}, indent=1))
+    print(f"\nwrote {out} ({time.time() - t0:.0f}s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""Triton launchers for NSA selected attention (the GPU path; also runs under ``TRITON_INTERPRET=1``).
+
+Same internal signatures as ``reference.py`` (docs/internals.md). Arguments are already validated.
+
+- ``forward``: one program per (query token, KV head); the token's G query heads are the tile rows
+  (padded to 16 for ``tl.dot``); an fp32 online softmax over the K slots.
+- ``backward``: dQ query-major like the forward (no atomics; it also writes
+  ``D = rowsum(dY * O)``), then dK/dV
+  key-block-major over an inverse index (for each key block of each KV head, the stably sorted list of
+  query tokens that selected it, built with torch ops on the device, no host sync). Each index list is
+  cut into chunks of ``CHUNK`` entries (one program each, so that a block picked by every token does
+  not serialise the kernel). Default: chunks add their fp32 partials into fp32 dk/dv with atomics.
+  ``deterministic=True``: chunks write their partials to a workspace, reduced in chunk order by a
+  second kernel: bitwise reproducible.
+
+float64 inputs are rejected (``TypeError``): the API routes them to the torch backend.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .._varlen import seq_lengths, token_seq_positions
+
+#: entries (query tokens) per dK/dV program; also sizes the deterministic workspace
+CHUNK = 256
+#: target tile rows (tokens x heads) per step of the dK/dV kernel
+DKV_ROWS = 32
+#: launch settings (sm_90; see docs/nsa.md (GPU section))
+FWD_STAGES = 2
+DKV_WARPS = 8
+DKV_STAGES = 2
+
+_SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _prev_pow2(n: int) -> int:
+    return 1 << (int(n).bit_length() - 1)
+
+
+def _check_dtype(q):
+    if q.dtype not in _SUPPORTED:
+        raise TypeError(
+            f"query: the triton backend supports float16, bfloat16 and float32, got {str(q.dtype).replace('torch.', '')}"
+            " (use backend='torch' for float64)"
+        )
+
+
+def _head_blocks(Dqk: int, Dv: int) -> dict:
+    """Two power-of-two chunks for the QK head dim (192 -> 128 + 64) and one padded chunk for Dv."""
+    d1 = max(16, _prev_pow2(Dqk))
+    rest = Dqk - d1
+    return {
+        "BLOCK_D1": d1,
+        "BLOCK_D2": max(16, _next_pow2(rest)) if rest > 0 else 16,
+        "HAS_D2": rest > 0,
+        "BLOCK_DV": max(16, _next_pow2(Dv)),
+    }
+
+
+def _dkv_warps(bs: int, heads: dict) -> int:
+    """8 warps; 16 when the fp32 dK/dV accumulators of one key block pass 32K values (bs = 128 with wide heads)."""
+    cols = heads["BLOCK_D1"] + (heads["BLOCK_D2"] if heads["HAS_D2"] else 0) + heads["BLOCK_DV"]
+    return 16 if _next_pow2(bs) * cols > 32768 else DKV_WARPS
+
+
+def _dot_args(q) -> dict:
+    import triton.language as tl
+
+    if _interpreting() or q.dtype == torch.float32:
+        # fp32 dots must be exact (no tf32); the interpreter cannot do bf16/fp16 arithmetic
+        return {"DOT": tl.float32, "PREC": "ieee"}
+    return {"DOT": tl.float16 if q.dtype == torch.float16 else tl.bfloat16, "PREC": "tf32"}
+
+
+def _token_meta(cu_q, cu_kv, device):
+    """Per query token: position in its sequence (int32), first key row of its sequence (int64), S2 (int32)."""
+    seq_id, pos = token_seq_positions(cu_q, device=device)
+    kv0 = torch.tensor(cu_kv[:-1], dtype=torch.int64, device=device)[seq_id]
+    s2 = torch.tensor(seq_lengths(cu_kv), dtype=torch.int32, device=device)[seq_id]
+    return seq_id, pos.to(torch.int32), kv0, s2
+
+
+def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
+    _check_dtype(q)
+    from . import triton_kernels as kern
+
+    T1, N1, Dqk = q.shape
+    N2, Dv = k.shape[1], v.shape[2]
+    G, K = N1 // N2, topk.shape[2]
+    out = torch.empty(T1, N1, Dv, dtype=q.dtype, device=q.device)
+    m = torch.empty(T1, N1, dtype=torch.float32, device=q.device)
+    l = torch.empty(T1, N1, dtype=torch.float32, device=q.device)
+    if T1 == 0:
+        return out, m, l
+    q, k, v, topk = q.contiguous(), k.contiguous(), v.contiguous(), topk.contiguous()
+    _, pos, kv0, s2 = _token_meta(cu_q, cu_kv, q.device)
+    block_g = max(16, _next_pow2(G))
+    kern.nsa_fwd_kernel[(T1, N2)](
+        q, k, v, topk, out, m, l, pos, kv0, s2, float(scale),
+        N1=N1, N2=N2, G=G, K=K, BS=bs, BLOCK_BS=_next_pow2(bs), Dqk=Dqk, Dv=Dv, BLOCK_G=block_g,
+        CAUSAL=bool(causal), **_head_blocks(Dqk, Dv), **_dot_args(q),
+        num_warps=4 if block_g <= 16 else 8, num_stages=FWD_STAGES,
+    )
+    return out, m, l
+
+
+def build_inverse_index(topk, seq_id, bs, cu_kv, chunk):
+    """The dK/dV work list, built on the device without a host sync.
+
+    Global key blocks are numbered ``gb = n2 * NB + blk_base[seq] + idx`` (NB = key blocks of all sequences).
+    Returns a dict of int tensors: ``ent_tok`` (query token of each (token, n2, slot) entry, sorted stably by
+    ``gb``), per chunk ``ch_blk`` (gb, -1 for the unused tail of the grid), ``ch_e0``/``ch_e1`` (entry range),
+    per block ``blk_row0`` (flat ``key_row * N2 + n2`` of its first key), ``blk_p0`` (in-sequence position of
+    its first key), ``blk_n`` (keys in it), ``blk_c0``/``blk_c1`` (its chunk range), and ``n_chunks`` (grid
+    size: an upper bound, ``ceil(T1*N2*K / chunk) + N2*NB``).
+    """
+    dev = topk.device
+    T1, N2, K = topk.shape
+    lens = seq_lengths(cu_kv)
+    nblk = [-(-s // bs) for s in lens]
+    NB = sum(nblk)
+    NBG = N2 * NB
+    nblk_t = torch.tensor(nblk, dtype=torch.int64, device=dev)
+    blk_base = torch.cumsum(nblk_t, 0) - nblk_t
+    # per global block
+    blk_seq = torch.repeat_interleave(torch.arange(len(lens), device=dev), nblk_t, output_size=NB)
+    blk_loc = torch.arange(NB, device=dev) - blk_base[blk_seq]
+    p0 = blk_loc * bs
+    kv_start = torch.tensor(cu_kv[:-1], dtype=torch.int64, device=dev)
+    s2 = torch.tensor(lens, dtype=torch.int64, device=dev)
+    n_keys = torch.clamp(s2[blk_seq] - p0, max=bs)
+    n2s = torch.arange(N2, device=dev)[:, None]
+    blk_row0 = ((kv_start[blk_seq] + p0)[None, :] * N2 + n2s).reshape(-1)
+    blk_p0 = p0.expand(N2, NB).reshape(-1).to(torch.int32)
+    blk_n = n_keys.expand(N2, NB).reshape(-1).to(torch.int32)
+    # entries
+    idx = topk.to(torch.int64)
+    gb = n2s[None] * NB + blk_base[seq_id][:, None, None] + idx  # [T1, N2, K]
+    gb = torch.where(idx >= 0, gb, torch.full_like(gb, NBG)).reshape(-1)
+    order = torch.argsort(gb, stable=True)
+    gb_sorted = gb[order]
+    ent_tok = torch.div(order, N2 * K, rounding_mode="floor").to(torch.int32)
+    ar = torch.arange(NBG, device=dev)
+    blk_e0 = torch.searchsorted(gb_sorted, ar)
+    blk_e1 = torch.searchsorted(gb_sorted, ar, right=True)
+    nch = torch.div(blk_e1 - blk_e0 + chunk - 1, chunk, rounding_mode="floor")
+    blk_c1 = torch.cumsum(nch, 0)
+    blk_c0 = blk_c1 - nch
+    n_chunks = -(-(T1 * N2 * K) // chunk) + NBG
+    c = torch.arange(n_chunks, device=dev)
+    cb = torch.searchsorted(blk_c1, c, right=True)
+    valid = cb < NBG
+    cbc = torch.clamp(cb, max=max(NBG - 1, 0))
+    e0 = blk_e0[cbc] + (c - blk_c0[cbc]) * chunk
+    e1 = torch.minimum(e0 + chunk, blk_e1[cbc])
+    zero = torch.zeros_like(e0)
+    return {
+        "ent_tok": ent_tok,
+        "ch_blk": torch.where(valid, cb, torch.full_like(cb, -1)),
+        "ch_e0": torch.where(valid, e0, zero),
+        "ch_e1": torch.where(valid, e1, zero),
+        "blk_row0": blk_row0,
+        "blk_p0": blk_p0,
+        "blk_n": blk_n,
+        "blk_c0": blk_c0,
+        "blk_c1": blk_c1,
+        "n_chunks": n_chunks,
+        "n_blocks": NBG,
+    }
+
+
+def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, deterministic=False):
+    _check_dtype(q)
+    from . import triton_kernels as kern
+
+    T1, N1, Dqk = q.shape
+    T2, N2, Dv = v.shape
+    G, K = N1 // N2, topk.shape[2]
+    dev = q.device
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if T1 == 0 or T2 == 0:
+        return dq.zero_(), torch.zeros_like(k), torch.zeros_like(v)
+    q, k, v, topk = q.contiguous(), k.contiguous(), v.contiguous(), topk.contiguous()
+    dout = dout.contiguous()
+    m = m.to(torch.float32).contiguous()
+    l = l.to(torch.float32).contiguous()
+    out = out.contiguous()
+    delta = torch.empty(T1, N1, dtype=torch.float32, device=dev)  # rowsum(dout * out), written by the dQ kernel
+    seq_id, pos, kv0, s2 = _token_meta(cu_q, cu_kv, dev)
+    heads = _head_blocks(Dqk, Dv)
+    dots = _dot_args(q)
+    block_bs = _next_pow2(bs)
+    block_g = max(16, _next_pow2(G))
+    kern.nsa_bwd_dq_kernel[(T1, N2)](
+        q, k, v, out, dout, m, l, delta, topk, dq, pos, kv0, s2, float(scale),
+        N1=N1, N2=N2, G=G, K=K, BS=bs, BLOCK_BS=block_bs, Dqk=Dqk, Dv=Dv, BLOCK_G=block_g,
+        CAUSAL=bool(causal), **heads, **dots,
+        num_warps=4 if block_g <= 16 else 8, num_stages=FWD_STAGES,
+    )
+
+    ix = build_inverse_index(topk, seq_id, bs, cu_kv, CHUNK)
+    if ix["n_blocks"] == 0:
+        return dq, torch.zeros_like(k), torch.zeros_like(v)
+    gk = _next_pow2(G)
+    block_e = max(1, DKV_ROWS // gk)
+    common = dict(
+        N1=N1, N2=N2, G=G, BS=bs, BLOCK_BS=block_bs, Dqk=Dqk, Dv=Dv, BLOCK_G=gk, BLOCK_E=block_e,
+        CAUSAL=bool(causal), **heads, **dots, num_warps=_dkv_warps(bs, heads), num_stages=DKV_STAGES,
+    )
+    n_ch = ix["n_chunks"]
+    args = (q, k, v, dout, m, l, delta, ix["ent_tok"], ix["ch_blk"], ix["ch_e0"], ix["ch_e1"],
+            ix["blk_row0"], ix["blk_p0"], ix["blk_n"], pos)
+    if deterministic:
+        ws_k = torch.empty(n_ch, block_bs, Dqk, dtype=torch.float32, device=dev)
+        ws_v = torch.empty(n_ch, block_bs, Dv, dtype=torch.float32, device=dev)
+        kern.nsa_bwd_dkv_kernel[(n_ch,)](*args, ws_k, ws_v, ws_k, ws_v, float(scale), DETERMINISTIC=True, USE_WHILE=_interpreting(), **common)
+        dk = torch.empty_like(k)
+        dv = torch.empty_like(v)
+        block_d = 64 if min(Dqk, Dv) >= 64 else 16
+        n_cols = -(-Dqk // block_d) + -(-Dv // block_d)
+        kern.nsa_bwd_reduce_kernel[(ix["n_blocks"], n_cols)](
+            ws_k, ws_v, ix["blk_c0"], ix["blk_c1"], ix["blk_row0"], ix["blk_n"], dk, dv,
+            N2=N2, BS=bs, BLOCK_BS=block_bs, Dqk=Dqk, Dv=Dv, BLOCK_D=block_d, num_warps=4,
+        )
+        return dq, dk, dv
+    dk32 = torch.zeros(k.shape, dtype=torch.float32, device=dev)
+    dv32 = torch.zeros(v.shape, dtype=torch.float32, device=dev)
+    kern.nsa_bwd_dkv_kernel[(n_ch,)](*args, dk32, dv32, dk32, dv32, float(scale), DETERMINISTIC=False, USE_WHILE=_interpreting(), **common)
+    return dq, dk32.to(k.dtype), dv32.to(v.dtype)

@@ -1,0 +1,364 @@
+"""Triton kernels for NSA selected attention (forward, dQ, dK/dV, deterministic reduction).
+
+Launchers, index building and the design notes live in ``triton_impl.py`` and ``docs/nsa.md (GPU section)``.
+Head dims are split into two power-of-two chunks, ``D1 = BLOCK_D1`` columns and the rest padded to
+``BLOCK_D2`` (192 = 128 + 64 without padding); ``HAS_D2`` is False when one chunk covers ``Dqk``.
+``DOT`` is the dtype fed to ``tl.dot`` (the input dtype on GPU, fp32 under the interpreter);
+accumulation is always fp32.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _qk(b_a1, b_b1, b_a2, b_b2, HAS_D2: tl.constexpr, PREC: tl.constexpr):
+    # [rows_a, rows_b] = a @ b^T over both head-dim chunks
+    b_s = tl.dot(b_a1, tl.trans(b_b1), input_precision=PREC)
+    if HAS_D2:
+        b_s += tl.dot(b_a2, tl.trans(b_b2), input_precision=PREC)
+    return b_s
+
+
+@triton.jit
+def nsa_fwd_kernel(
+    q, k, v, topk, o, m_out, l_out,
+    tok_pos, tok_kv0, tok_s2,
+    scale,
+    N1: tl.constexpr, N2: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BS: tl.constexpr, BLOCK_BS: tl.constexpr,
+    Dqk: tl.constexpr, Dv: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, HAS_D2: tl.constexpr,
+    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+):
+    """One program per (query token, KV head): the G heads of the token are the tile rows."""
+    i_t = tl.program_id(0).to(tl.int64)
+    i_n2 = tl.program_id(1).to(tl.int64)
+    s1 = tl.load(tok_pos + i_t).to(tl.int64)
+    kv0 = tl.load(tok_kv0 + i_t).to(tl.int64)
+    S2 = tl.load(tok_s2 + i_t).to(tl.int64)
+
+    o_g = tl.arange(0, BLOCK_G)
+    m_g = o_g < G
+    o_h = i_t * N1 + i_n2 * G + o_g
+    o_r = tl.arange(0, BLOCK_BS)
+    o_d1 = tl.arange(0, BLOCK_D1)
+    o_dv = tl.arange(0, BLOCK_DV)
+    m_d1 = o_d1 < Dqk
+    m_dv = o_dv < Dv
+
+    # [BLOCK_G, BLOCK_D1]
+    b_q1 = tl.load(q + o_h[:, None] * Dqk + o_d1[None, :], mask=m_g[:, None] & m_d1[None, :], other=0.0).to(DOT)
+    b_q2 = b_q1
+    o_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
+    m_d2 = o_d2 < Dqk
+    if HAS_D2:
+        # [BLOCK_G, BLOCK_D2]
+        b_q2 = tl.load(q + o_h[:, None] * Dqk + o_d2[None, :], mask=m_g[:, None] & m_d2[None, :], other=0.0).to(DOT)
+
+    # [BLOCK_G]
+    b_m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_G], dtype=tl.float32)
+    # [BLOCK_G, BLOCK_DV]
+    b_acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
+
+    p_topk = topk + (i_t * N2 + i_n2) * K
+    for i_k in range(K):
+        idx = tl.load(p_topk + i_k).to(tl.int64)
+        o_p = idx * BS + o_r
+        m_k = (idx >= 0) & (o_r < BS) & (o_p < S2)
+        if CAUSAL:
+            m_k = m_k & (o_p <= s1)
+        o_row = (kv0 + o_p) * N2 + i_n2
+        # [BLOCK_BS, BLOCK_D1]
+        b_k1 = tl.load(k + o_row[:, None] * Dqk + o_d1[None, :], mask=m_k[:, None] & m_d1[None, :], other=0.0).to(DOT)
+        b_k2 = b_k1
+        if HAS_D2:
+            # [BLOCK_BS, BLOCK_D2]
+            b_k2 = tl.load(k + o_row[:, None] * Dqk + o_d2[None, :], mask=m_k[:, None] & m_d2[None, :], other=0.0).to(DOT)
+        # [BLOCK_BS, BLOCK_DV]
+        b_v = tl.load(v + o_row[:, None] * Dv + o_dv[None, :], mask=m_k[:, None] & m_dv[None, :], other=0.0).to(DOT)
+        # [BLOCK_G, BLOCK_BS]
+        b_s = _qk(b_q1, b_k1, b_q2, b_k2, HAS_D2, PREC) * scale
+        b_s = tl.where(m_k[None, :], b_s, float("-inf"))
+        b_mnew = tl.maximum(b_m, tl.max(b_s, 1))
+        # rows that have seen nothing yet keep -inf; subtract 0 there so exp gives 0, not NaN
+        b_mref = tl.where(b_mnew == float("-inf"), 0.0, b_mnew)
+        b_p = tl.exp(b_s - b_mref[:, None])
+        b_alpha = tl.exp(b_m - b_mref)
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(DOT), b_v, input_precision=PREC)
+        b_m = b_mnew
+
+    m_any = b_l > 0
+    b_out = b_acc / tl.where(m_any, b_l, 1.0)[:, None]
+    tl.store(o + o_h[:, None] * Dv + o_dv[None, :], b_out.to(o.dtype.element_ty), mask=m_g[:, None] & m_dv[None, :])
+    tl.store(m_out + o_h, tl.where(m_any, b_m, 0.0), mask=m_g)
+    tl.store(l_out + o_h, b_l, mask=m_g)
+
+
+@triton.jit
+def nsa_bwd_dq_kernel(
+    q, k, v, o, do, m_in, l_in, delta, topk, dq,
+    tok_pos, tok_kv0, tok_s2,
+    scale,
+    N1: tl.constexpr, N2: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BS: tl.constexpr, BLOCK_BS: tl.constexpr,
+    Dqk: tl.constexpr, Dv: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, HAS_D2: tl.constexpr,
+    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+):
+    """dQ, query-major like the forward: one program per (query token, KV head), no atomics.
+    Also writes ``delta = rowsum(dO * O)`` (fp32) for the dK/dV kernel."""
+    i_t = tl.program_id(0).to(tl.int64)
+    i_n2 = tl.program_id(1).to(tl.int64)
+    s1 = tl.load(tok_pos + i_t).to(tl.int64)
+    kv0 = tl.load(tok_kv0 + i_t).to(tl.int64)
+    S2 = tl.load(tok_s2 + i_t).to(tl.int64)
+
+    o_g = tl.arange(0, BLOCK_G)
+    m_g = o_g < G
+    o_h = i_t * N1 + i_n2 * G + o_g
+    o_r = tl.arange(0, BLOCK_BS)
+    o_d1 = tl.arange(0, BLOCK_D1)
+    o_dv = tl.arange(0, BLOCK_DV)
+    m_d1 = o_d1 < Dqk
+    m_dv = o_dv < Dv
+
+    # [BLOCK_G, BLOCK_D1]
+    b_q1 = tl.load(q + o_h[:, None] * Dqk + o_d1[None, :], mask=m_g[:, None] & m_d1[None, :], other=0.0).to(DOT)
+    b_q2 = b_q1
+    o_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
+    m_d2 = o_d2 < Dqk
+    if HAS_D2:
+        # [BLOCK_G, BLOCK_D2]
+        b_q2 = tl.load(q + o_h[:, None] * Dqk + o_d2[None, :], mask=m_g[:, None] & m_d2[None, :], other=0.0).to(DOT)
+    # [BLOCK_G, BLOCK_DV]
+    b_do32 = tl.load(do + o_h[:, None] * Dv + o_dv[None, :], mask=m_g[:, None] & m_dv[None, :], other=0.0).to(tl.float32)
+    b_o32 = tl.load(o + o_h[:, None] * Dv + o_dv[None, :], mask=m_g[:, None] & m_dv[None, :], other=0.0).to(tl.float32)
+    b_do = b_do32.to(DOT)
+    # [BLOCK_G]
+    b_delta = tl.sum(b_do32 * b_o32, 1)
+    tl.store(delta + o_h, b_delta, mask=m_g)
+    b_m = tl.load(m_in + o_h, mask=m_g, other=0.0)
+    b_l = tl.load(l_in + o_h, mask=m_g, other=0.0)
+    b_il = tl.where(b_l > 0, 1.0 / tl.where(b_l > 0, b_l, 1.0), 0.0)
+
+    # [BLOCK_G, BLOCK_D1]
+    b_dq1 = tl.zeros([BLOCK_G, BLOCK_D1], dtype=tl.float32)
+    # [BLOCK_G, BLOCK_D2]
+    b_dq2 = tl.zeros([BLOCK_G, BLOCK_D2], dtype=tl.float32)
+
+    p_topk = topk + (i_t * N2 + i_n2) * K
+    for i_k in range(K):
+        idx = tl.load(p_topk + i_k).to(tl.int64)
+        o_p = idx * BS + o_r
+        m_k = (idx >= 0) & (o_r < BS) & (o_p < S2)
+        if CAUSAL:
+            m_k = m_k & (o_p <= s1)
+        o_row = (kv0 + o_p) * N2 + i_n2
+        # [BLOCK_BS, BLOCK_D1]
+        b_k1 = tl.load(k + o_row[:, None] * Dqk + o_d1[None, :], mask=m_k[:, None] & m_d1[None, :], other=0.0).to(DOT)
+        b_k2 = b_k1
+        if HAS_D2:
+            # [BLOCK_BS, BLOCK_D2]
+            b_k2 = tl.load(k + o_row[:, None] * Dqk + o_d2[None, :], mask=m_k[:, None] & m_d2[None, :], other=0.0).to(DOT)
+        # [BLOCK_BS, BLOCK_DV]
+        b_v = tl.load(v + o_row[:, None] * Dv + o_dv[None, :], mask=m_k[:, None] & m_dv[None, :], other=0.0).to(DOT)
+        # [BLOCK_G, BLOCK_BS]
+        b_s = _qk(b_q1, b_k1, b_q2, b_k2, HAS_D2, PREC) * scale
+        b_p = tl.where(m_k[None, :], tl.exp(b_s - b_m[:, None]) * b_il[:, None], 0.0)
+        # [BLOCK_G, BLOCK_BS]
+        b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
+        b_ds = (b_p * (b_dp - b_delta[:, None])).to(DOT)
+        b_dq1 += tl.dot(b_ds, b_k1, input_precision=PREC)
+        if HAS_D2:
+            b_dq2 += tl.dot(b_ds, b_k2, input_precision=PREC)
+
+    tl.store(dq + o_h[:, None] * Dqk + o_d1[None, :], (b_dq1 * scale).to(dq.dtype.element_ty),
+             mask=m_g[:, None] & m_d1[None, :])
+    if HAS_D2:
+        tl.store(dq + o_h[:, None] * Dqk + o_d2[None, :], (b_dq2 * scale).to(dq.dtype.element_ty),
+                 mask=m_g[:, None] & m_d2[None, :])
+
+
+@triton.jit
+def _dkv_step(
+    i_e, e1, q, do, m_in, l_in, delta, ent_tok, tok_pos, p0, i_n2, o_r, m_r, o_xe, o_xg, m_xg,
+    o_d1, m_d1, o_d2, m_d2, o_dv, m_dv, b_k1, b_k2, b_v, b_dk1, b_dk2, b_dv, scale,
+    N1: tl.constexpr, G: tl.constexpr, Dqk: tl.constexpr, Dv: tl.constexpr, HAS_D2: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+):
+    """One step of the dK/dV kernel: entries [i_e, i_e + BLOCK_E) of the chunk, all heads as tile rows."""
+    o_e = i_e + o_xe
+    m_x = (o_e < e1) & m_xg
+    o_t = tl.load(ent_tok + o_e, mask=m_x, other=0).to(tl.int64)
+    o_s1 = tl.load(tok_pos + o_t, mask=m_x, other=0).to(tl.int64)
+    o_h = o_t * N1 + i_n2 * G + o_xg
+    # [ROWS, BLOCK_D1]
+    b_q1 = tl.load(q + o_h[:, None] * Dqk + o_d1[None, :], mask=m_x[:, None] & m_d1[None, :], other=0.0).to(DOT)
+    b_q2 = b_q1
+    if HAS_D2:
+        # [ROWS, BLOCK_D2]
+        b_q2 = tl.load(q + o_h[:, None] * Dqk + o_d2[None, :], mask=m_x[:, None] & m_d2[None, :], other=0.0).to(DOT)
+    # [ROWS, BLOCK_DV]
+    b_do = tl.load(do + o_h[:, None] * Dv + o_dv[None, :], mask=m_x[:, None] & m_dv[None, :], other=0.0).to(DOT)
+    # [ROWS]
+    b_m = tl.load(m_in + o_h, mask=m_x, other=0.0)
+    b_l = tl.load(l_in + o_h, mask=m_x, other=0.0)
+    b_il = tl.where(b_l > 0, 1.0 / tl.where(b_l > 0, b_l, 1.0), 0.0)
+    b_delta = tl.load(delta + o_h, mask=m_x, other=0.0)
+
+    # [BLOCK_BS, ROWS]
+    m_vis = m_r[:, None] & m_x[None, :]
+    if CAUSAL:
+        m_vis = m_vis & ((p0 + o_r)[:, None] <= o_s1[None, :])
+    # [BLOCK_BS, ROWS]
+    b_st = _qk(b_k1, b_q1, b_k2, b_q2, HAS_D2, PREC) * scale
+    b_pt = tl.where(m_vis, tl.exp(b_st - b_m[None, :]) * b_il[None, :], 0.0)
+    # [BLOCK_BS, ROWS]
+    b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=PREC)
+    b_dst = (b_pt * (b_dpt - b_delta[None, :])).to(DOT)
+    b_dv += tl.dot(b_pt.to(DOT), b_do, input_precision=PREC)
+    b_dk1 += tl.dot(b_dst, b_q1, input_precision=PREC)
+    if HAS_D2:
+        b_dk2 += tl.dot(b_dst, b_q2, input_precision=PREC)
+    return b_dk1, b_dk2, b_dv
+
+
+@triton.jit
+def nsa_bwd_dkv_kernel(
+    q, k, v, do, m_in, l_in, delta,
+    ent_tok, ch_blk, ch_e0, ch_e1, blk_row0, blk_p0, blk_n,
+    tok_pos,
+    dk, dv, ws_k, ws_v,
+    scale,
+    N1: tl.constexpr, N2: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, BLOCK_BS: tl.constexpr,
+    Dqk: tl.constexpr, Dv: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, HAS_D2: tl.constexpr,
+    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+    DETERMINISTIC: tl.constexpr, USE_WHILE: tl.constexpr,
+):
+    """dK/dV, key-block-major: one program per chunk of the (sorted) list of query tokens that selected
+    one key block of one KV head. Each step gathers BLOCK_E such tokens x BLOCK_G heads as tile rows.
+    DETERMINISTIC: the chunk's fp32 partial goes to its own workspace slot (reduced in order later);
+    else it is added into the fp32 dk/dv buffers with atomics."""
+    i_c = tl.program_id(0).to(tl.int64)
+    i_b = tl.load(ch_blk + i_c).to(tl.int64)
+    e0 = tl.load(ch_e0 + i_c).to(tl.int64)
+    e1 = tl.load(ch_e1 + i_c).to(tl.int64)
+    m_c = i_b >= 0
+    i_b = tl.where(m_c, i_b, 0)
+    # blk_row0 folds in the KV head: the flat [T2 * N2] row of the block's first key
+    row0 = tl.load(blk_row0 + i_b).to(tl.int64)
+    p0 = tl.load(blk_p0 + i_b).to(tl.int64)
+    nb = tl.load(blk_n + i_b).to(tl.int64)
+    i_n2 = row0 % N2
+
+    ROWS: tl.constexpr = BLOCK_E * BLOCK_G
+    o_x = tl.arange(0, ROWS)
+    o_xe = o_x // BLOCK_G
+    o_xg = o_x % BLOCK_G
+    m_xg = o_xg < G
+    o_r = tl.arange(0, BLOCK_BS)
+    m_r = o_r < nb
+    o_d1 = tl.arange(0, BLOCK_D1)
+    o_dv = tl.arange(0, BLOCK_DV)
+    m_d1 = o_d1 < Dqk
+    m_dv = o_dv < Dv
+    o_krow = row0 + o_r * N2
+
+    # [BLOCK_BS, BLOCK_D1]
+    b_k1 = tl.load(k + o_krow[:, None] * Dqk + o_d1[None, :], mask=m_r[:, None] & m_d1[None, :], other=0.0).to(DOT)
+    b_k2 = b_k1
+    o_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
+    m_d2 = o_d2 < Dqk
+    if HAS_D2:
+        # [BLOCK_BS, BLOCK_D2]
+        b_k2 = tl.load(k + o_krow[:, None] * Dqk + o_d2[None, :], mask=m_r[:, None] & m_d2[None, :], other=0.0).to(DOT)
+    # [BLOCK_BS, BLOCK_DV]
+    b_v = tl.load(v + o_krow[:, None] * Dv + o_dv[None, :], mask=m_r[:, None] & m_dv[None, :], other=0.0).to(DOT)
+
+    # [BLOCK_BS, BLOCK_D1]
+    b_dk1 = tl.zeros([BLOCK_BS, BLOCK_D1], dtype=tl.float32)
+    # [BLOCK_BS, BLOCK_D2]
+    b_dk2 = tl.zeros([BLOCK_BS, BLOCK_D2], dtype=tl.float32)
+    # [BLOCK_BS, BLOCK_DV]
+    b_dv = tl.zeros([BLOCK_BS, BLOCK_DV], dtype=tl.float32)
+
+    if USE_WHILE:
+        # the interpreter cannot iterate range() over loaded scalars
+        i_e = e0
+        while i_e < e1:
+            b_dk1, b_dk2, b_dv = _dkv_step(
+                i_e, e1, q, do, m_in, l_in, delta, ent_tok, tok_pos, p0, i_n2, o_r, m_r, o_xe, o_xg, m_xg,
+                o_d1, m_d1, o_d2, m_d2, o_dv, m_dv, b_k1, b_k2, b_v, b_dk1, b_dk2, b_dv, scale,
+                N1, G, Dqk, Dv, HAS_D2, CAUSAL, DOT, PREC,
+            )
+            i_e += BLOCK_E
+    else:
+        for i_e in range(e0, e1, BLOCK_E):
+            b_dk1, b_dk2, b_dv = _dkv_step(
+                i_e, e1, q, do, m_in, l_in, delta, ent_tok, tok_pos, p0, i_n2, o_r, m_r, o_xe, o_xg, m_xg,
+                o_d1, m_d1, o_d2, m_d2, o_dv, m_dv, b_k1, b_k2, b_v, b_dk1, b_dk2, b_dv, scale,
+                N1, G, Dqk, Dv, HAS_D2, CAUSAL, DOT, PREC,
+            )
+
+    b_dk1 = b_dk1 * scale
+    b_dk2 = b_dk2 * scale
+    if DETERMINISTIC:
+        p_wk = ws_k + i_c * BLOCK_BS * Dqk + o_r[:, None] * Dqk
+        p_wv = ws_v + i_c * BLOCK_BS * Dv + o_r[:, None] * Dv
+        tl.store(p_wk + o_d1[None, :], b_dk1, mask=m_c & m_d1[None, :])
+        if HAS_D2:
+            tl.store(p_wk + o_d2[None, :], b_dk2, mask=m_c & m_d2[None, :])
+        tl.store(p_wv + o_dv[None, :], b_dv, mask=m_c & m_dv[None, :])
+    else:
+        m_st = m_c & m_r[:, None]
+        tl.atomic_add(dk + o_krow[:, None] * Dqk + o_d1[None, :], b_dk1, mask=m_st & m_d1[None, :], sem="relaxed")
+        if HAS_D2:
+            tl.atomic_add(dk + o_krow[:, None] * Dqk + o_d2[None, :], b_dk2, mask=m_st & m_d2[None, :], sem="relaxed")
+        tl.atomic_add(dv + o_krow[:, None] * Dv + o_dv[None, :], b_dv, mask=m_st & m_dv[None, :], sem="relaxed")
+
+
+@triton.jit
+def nsa_bwd_reduce_kernel(
+    ws_k, ws_v, blk_c0, blk_c1, blk_row0, blk_n, dk, dv,
+    N2: tl.constexpr, BS: tl.constexpr, BLOCK_BS: tl.constexpr, Dqk: tl.constexpr, Dv: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Deterministic path: dk/dv rows of one key block of one KV head = the sum of its chunks' partials,
+    added in chunk order. Grid (blocks, column tiles of BLOCK_D over Dqk + Dv)."""
+    i_b = tl.program_id(0).to(tl.int64)
+    i_d = tl.program_id(1).to(tl.int64)
+    c0 = tl.load(blk_c0 + i_b).to(tl.int64)
+    c1 = tl.load(blk_c1 + i_b).to(tl.int64)
+    row0 = tl.load(blk_row0 + i_b).to(tl.int64)
+    nb = tl.load(blk_n + i_b).to(tl.int64)
+    o_r = tl.arange(0, BLOCK_BS)
+    m_r = o_r < nb
+    o_c = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    # row0 already folds in the KV head: row0 = key_row * N2 + n2
+    o_krow = row0 + o_r * N2
+    if i_d * BLOCK_D < Dqk:
+        m_d = o_c < Dqk
+        # [BLOCK_BS, BLOCK_D]
+        b_acc = tl.zeros([BLOCK_BS, BLOCK_D], dtype=tl.float32)
+        i_c = c0
+        while i_c < c1:
+            b_acc += tl.load(ws_k + i_c * BLOCK_BS * Dqk + o_r[:, None] * Dqk + o_c[None, :], mask=m_d[None, :], other=0.0)
+            i_c += 1
+        tl.store(dk + o_krow[:, None] * Dqk + o_c[None, :], b_acc.to(dk.dtype.element_ty),
+                 mask=m_r[:, None] & m_d[None, :])
+    else:
+        o_cv = o_c - tl.cdiv(Dqk, BLOCK_D) * BLOCK_D
+        m_d = (o_cv >= 0) & (o_cv < Dv)
+        # [BLOCK_BS, BLOCK_D]
+        b_acc = tl.zeros([BLOCK_BS, BLOCK_D], dtype=tl.float32)
+        i_c = c0
+        while i_c < c1:
+            b_acc += tl.load(ws_v + i_c * BLOCK_BS * Dv + o_r[:, None] * Dv + o_cv[None, :], mask=m_d[None, :], other=0.0)
+            i_c += 1
+        tl.store(dv + o_krow[:, None] * Dv + o_cv[None, :], b_acc.to(dv.dtype.element_ty),
+                 mask=m_r[:, None] & m_d[None, :])
