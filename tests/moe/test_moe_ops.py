@@ -313,3 +313,39 @@ def test_poisoned_buffers_are_fully_written(monkeypatch, rng, dtype):
             continue
         assert not torch.isnan(got[name]).any(), name
         assert_close(got[name], want[name], got[name].dtype, name=name)
+
+
+def test_huge_page_advice_changes_no_value(monkeypatch):
+    """With every output advised ``MADV_HUGEPAGE`` (threshold 1 byte) the results are bitwise those without
+    advice, and the advice is actually given on Linux."""
+    import sys
+
+    from sparseops.moe import torch_impl
+
+    d = _inputs(40, 3, 70, dtype=torch.bfloat16)
+    ex = _extra(40, 3, 70, dtype=torch.bfloat16)
+    monkeypatch.setattr(torch_impl, "_madvise", None)
+    plain = _chain("torch", d, [3, 100], 0, True, ex)
+    calls = []
+
+    def counting(addr, length, advice):
+        calls.append((addr, length, advice))
+        assert addr % 64 == 0 and length % 64 == 0 and length > 0
+        return 0
+
+    monkeypatch.setattr(torch_impl, "_madvise", counting)
+    monkeypatch.setattr(torch_impl, "_HUGE_MIN_BYTES", 1)
+    monkeypatch.setattr(torch_impl, "_PAGE", 64)  # small test buffers hold whole "pages"
+    advised = _chain("torch", d, [3, 100], 0, True, ex)
+    for name in plain:
+        assert torch.equal(plain[name], advised[name]), name
+    assert calls
+    # the real advice on a real 4 MiB buffer: the tensor is usable and holds what is written
+    monkeypatch.setattr(torch_impl, "_madvise", torch_impl._load_madvise())
+    monkeypatch.setattr(torch_impl, "_PAGE", 4096)
+    x = torch_impl._empty_rows(1024, 1024, torch.float32, torch.device("cpu"))
+    assert x.shape == (1024, 1024) and x.dtype == torch.float32
+    x.fill_(2.5)
+    assert bool((x == 2.5).all())
+    if sys.platform.startswith("linux"):
+        assert torch_impl._madvise is not None
