@@ -48,7 +48,9 @@ def _load_madvise():
     return fn
 
 
-_madvise = _load_madvise()
+#: libc ``madvise``, looked up on first use (no work at import time); None where unavailable
+_UNSET = object()
+_madvise = _UNSET
 
 
 def _empty_rows(n: int, H: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -59,8 +61,11 @@ def _empty_rows(n: int, H: int, dtype: torch.dtype, device: torch.device) -> tor
     ``madvise`` or ``always`` mode) it faults once per 2 MiB. The advice only changes how the pages are
     backed, never their contents; any failure is ignored.
     """
+    global _madvise
     out = torch.empty(n, H, dtype=dtype, device=device)
     nbytes = out.numel() * out.element_size()
+    if _madvise is _UNSET:
+        _madvise = _load_madvise()
     if _madvise is not None and out.device.type == "cpu" and nbytes >= _HUGE_MIN_BYTES:
         p = out.data_ptr()
         a = (p + _PAGE - 1) & ~(_PAGE - 1)
