@@ -10,6 +10,7 @@ from sparseops import (
     moe_token_unpermute_with_ep,
     moe_token_unpermute_with_ep_grad,
 )
+from sparseops.moe import api, reference, torch_impl
 from sparseops.testing import assert_close, make_moe_inputs, poison_
 
 F64 = torch.float64
@@ -349,3 +350,25 @@ def test_huge_page_advice_changes_no_value(monkeypatch):
     assert bool((x == 2.5).all())
     if sys.platform.startswith("linux"):
         assert torch_impl._madvise is not None
+
+
+@pytest.mark.parametrize("fraction", [0.0, 2.0], ids=["walk-all-slots", "live-slots-only"])
+@pytest.mark.parametrize("rng", [None, [5, 40], [30, 31], [-9, -9]], ids=["full", "partial", "one-row", "empty"])
+@pytest.mark.parametrize("with_probs", [True, False], ids=["probs", "no-probs"])
+def test_both_k_sum_paths_match_reference(monkeypatch, fraction, rng, with_probs):
+    """unpermute and permute_grad sum over k either by walking every slot or by gathering live slots only
+    (chosen by the live share); force each path on every window and compare with the float64 oracle."""
+    monkeypatch.setattr(torch_impl, "_SPARSE_FRACTION", fraction)
+    d = make_moe_inputs(11, 5, 7, num_experts=6, dtype=torch.float64, seed=3)
+    probs = d["probs"].clone()
+    probs[2, 1] = 0.0  # a zero prob is skipped on both paths
+    probs = probs if with_probs else None
+    _, si, _ = moe_token_permute_with_ep(d["tokens"], d["indices"], backend="reference")
+    s, e = api.normalize_range(rng, si.numel(), si.numel())
+    x = torch.randn(e - s, 7, dtype=torch.float64)
+    got = torch_impl.unpermute(x, si, probs, 5, s, e)
+    want = reference.unpermute(x, si, probs, 5, s, e)
+    assert_close(got, want, torch.float64, name="unpermute")
+    tg, _ = torch_impl.permute_grad(x, si, None, 5, s, e)
+    tg_ref, _ = reference.permute_grad(x, si, None, 5, s, e)
+    assert_close(tg, tg_ref, torch.float64, name="permute_grad")

@@ -29,6 +29,10 @@ _CHUNK_BYTES = 1 << 18
 #: there; the fp16 / bf16 path measured slower with it, so it keeps 256 KiB.
 _BIG_CHUNK_FACTOR = 16
 
+#: the k-ordered sums (unpermute, permute_grad) gather only live rows when fewer than this share of slots
+#: is live (an expert-parallel rank's window); else they walk all K slots of every token
+_SPARSE_FRACTION = 0.5
+
 #: fresh CPU outputs at least this large are advised to use transparent huge pages (see ``_empty_rows``)
 _HUGE_MIN_BYTES = 4 << 20
 _PAGE = 4096
@@ -126,6 +130,8 @@ def _sum_over_k(src, rows, valid, weights, out):
         weights = weights.to(acc_dtype)
         valid = valid & (weights != 0)
     step = _chunk_rows(H, 4 if acc_dtype == torch.float32 else 8)
+    if T * K and int(valid.sum()) < _SPARSE_FRACTION * T * K:
+        return _sum_over_live_slots(src, rows, valid, weights, out, acc_dtype, step)
     buf = None
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
@@ -148,6 +154,44 @@ def _sum_over_k(src, rows, valid, weights, out):
                 acc.addcmul_(term, weights[t0:t1, k, None])
         if not direct:
             out[t0:t1].copy_(acc)
+    return out
+
+
+def _sum_over_live_slots(src, rows, valid, weights, out, acc_dtype, step):
+    """``_sum_over_k`` for a sparse window (most slots dead, as on an expert-parallel rank): gathers only the
+    live rows. Tokens are ordered by their live-slot count, descending, so that the j-th live slot of every
+    token that has one is a prefix of each chunk; pass j adds those rows, so each token still sums its terms
+    in k order, in the accumulation dtype, rounded once. Dead tokens get zeros."""
+    T, K = rows.shape
+    H = src.shape[1]
+    count = valid.sum(dim=1)
+    order = torch.argsort(count, descending=True, stable=True)
+    n_live = int((count > 0).sum())
+    out.zero_()
+    if n_live == 0:
+        return out
+    order = order[:n_live]
+    count = count[order]
+    # k of the j-th live slot of each token: live slots in k order, packed to the left
+    rank = valid.cumsum(dim=1) - 1
+    t_idx, k_idx = valid.nonzero(as_tuple=True)
+    k_of = torch.zeros(T, int(count[0]), dtype=torch.int64, device=rows.device)
+    k_of[t_idx, rank[t_idx, k_idx]] = k_idx
+    k_of = k_of[order]
+    live_rows = rows[order].gather(1, k_of)
+    live_w = None if weights is None else weights[order].gather(1, k_of)
+    for t0 in range(0, n_live, step):
+        t1 = min(n_live, t0 + step)
+        acc = torch.zeros(t1 - t0, H, dtype=acc_dtype, device=src.device)
+        for j in range(int(count[t0])):
+            n = t0 + int((count[t0:t1] > j).sum())  # tokens t0..n-1 have a j-th live slot
+            term = torch.index_select(src, 0, live_rows[t0:n, j])
+            term = term if term.dtype == acc_dtype else term.to(acc_dtype)
+            if live_w is None:
+                acc[: n - t0].add_(term)
+            else:
+                acc[: n - t0].addcmul_(term, live_w[t0:n, j, None])
+        out.index_copy_(0, order[t0:t1], acc.to(out.dtype))
     return out
 
 
