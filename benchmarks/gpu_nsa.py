@@ -51,30 +51,16 @@ PAPER = dict(N2=4, G=16, Dqk=192, Dv=128, bs=64, K=16)
 
 
 def make_inputs(seqlens, *, N2, G, Dqk, Dv, bs, K, dtype, device, causal=True, seed=0):
-    """Random q/k/v made on the device; block ids drawn on the device (distinct, causal-allowed, -1 if none)."""
+    """Random q/k/v made on the device; block ids from ``testing.make_topk_indices`` on the device (distinct,
+    causal-allowed, -1 if none)."""
     g = torch.Generator(device=device).manual_seed(seed)
     T = sum(seqlens)
     q = torch.randn(T, N2 * G, Dqk, generator=g, device=device, dtype=torch.float32).to(dtype)
     k = torch.randn(T, N2, Dqk, generator=g, device=device, dtype=torch.float32).to(dtype)
     v = torch.randn(T, N2, Dv, generator=g, device=device, dtype=torch.float32).to(dtype)
-    parts = []
-    for S in seqlens:
-        nblk = max(1, -(-S // bs))
-        for c0 in range(0, S, 8192):
-            c1 = min(S, c0 + 8192)
-            pos = torch.arange(c0, c1, device=device)
-            scores = torch.rand(c1 - c0, N2, nblk, generator=g, device=device)
-            allowed = (torch.arange(nblk, device=device) * bs < S)[None, :].expand(c1 - c0, nblk)
-            if causal:
-                allowed = allowed & (torch.arange(nblk, device=device)[None, :] * bs <= pos[:, None])
-            scores = scores.masked_fill(~allowed[:, None, :], -1.0)
-            kk = min(K, nblk)
-            val, idx = scores.topk(kk, dim=-1)
-            idx = torch.where(val >= 0, idx, torch.full_like(idx, -1))
-            if kk < K:
-                idx = torch.cat([idx, idx.new_full((c1 - c0, N2, K - kk), -1)], dim=-1)
-            parts.append(idx)
-    topk = torch.cat(parts).to(torch.int32)
+    topk = testing.make_topk_indices(
+        seqlens, seqlens, N2, K, bs, causal=causal, seed=seed + 1, device=device, chunk=8192
+    )
     cu = [0]
     for S in seqlens:
         cu.append(cu[-1] + S)

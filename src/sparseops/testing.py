@@ -6,6 +6,7 @@ same inputs. They are used for every op, MoE and NSA, and never tuned per test.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -118,19 +119,22 @@ def make_topk_indices(
     """Block ids ``[T1, N2, K]`` int32 local to each token's sequence, drawn without replacement from the blocks
     a query can use (causal: blocks that start at or before its position; else all blocks of its sequence).
     Slots with no block to draw are -1; ``empty_frac`` turns a random share of the others into -1;
-    ``duplicates`` copies slot 0 into slot K-1 for a random half of the rows."""
-    g = torch.Generator().manual_seed(seed)
+    ``duplicates`` copies slot 0 into slot K-1 for a random half of the rows. Drawn on ``device`` (fast on a GPU
+    at long sequences); on the CPU the draws depend only on ``seed``."""
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    ar = functools.partial(torch.arange, device=device)
     out = []
     for S1, S2 in zip(seqlens_q, seqlens_kv):
         nblk = max(1, -(-S2 // bs))
         for c0 in range(0, S1, chunk):
             c1 = min(S1, c0 + chunk)
-            pos = torch.arange(c0, c1)
-            scores = torch.rand(c1 - c0, N2, nblk, generator=g)
-            allowed = torch.arange(nblk) * bs < S2
+            pos = ar(c0, c1)
+            scores = torch.rand(c1 - c0, N2, nblk, generator=g, device=device)
+            allowed = ar(nblk) * bs < S2
             allowed = allowed.expand(c1 - c0, nblk)
             if causal:
-                allowed = allowed & (torch.arange(nblk)[None, :] * bs <= pos[:, None])
+                allowed = allowed & (ar(nblk)[None, :] * bs <= pos[:, None])
             scores = scores.masked_fill(~allowed[:, None, :], -1.0)
             kk = min(K, nblk)
             val, idx = scores.topk(kk, dim=-1)
@@ -142,12 +146,12 @@ def make_topk_indices(
         return torch.empty(0, N2, K, dtype=torch.int32, device=device)
     idx = torch.cat(out)
     if empty_frac > 0:
-        drop = torch.rand(idx.shape, generator=g) < empty_frac
+        drop = torch.rand(idx.shape, generator=g, device=device) < empty_frac
         idx = idx.masked_fill(drop, -1)
     if duplicates and K > 1:
-        rows = torch.rand(idx.shape[:2], generator=g) < 0.5
+        rows = torch.rand(idx.shape[:2], generator=g, device=device) < 0.5
         idx[..., K - 1] = torch.where(rows, idx[..., 0], idx[..., K - 1])
-    return idx.to(torch.int32).to(device)
+    return idx.to(torch.int32)
 
 
 def make_nsa_inputs(
