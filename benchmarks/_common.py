@@ -179,6 +179,14 @@ def environment() -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def env_line(env: dict) -> str:
+    """One line naming where and when a run was taken (the first line of each script's Markdown report)."""
+    return (
+        f"{env['date_utc']}, {env['cpu_model']}, {env['cpu_count']} cores ({env['torch_threads']} torch threads), "
+        f"torch {env['torch']}, commit {env['git_commit']}, load average at start {env.get('loadavg_start')}"
+    )
+
+
 def median_time(
     fn: Callable[[], object],
     *,

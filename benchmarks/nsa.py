@@ -315,8 +315,7 @@ def markdown_table(record: dict) -> str:
     """The run as Markdown: the floors, then one table row per configuration."""
     f, env = record["floors"], record["env"]
     lines = [
-        f"{env['date_utc']}, {env['cpu_model']}, {env['cpu_count']} cores ({env['torch_threads']} torch threads), "
-        f"torch {env['torch']}, commit {env['git_commit']}, load average at start {env.get('loadavg_start')}",
+        C.env_line(env),
         "",
         f"Floors measured in the run: matmul fp32 {f['matmul_fp32_flops'] / 1e9:.1f} GFLOP/s, bf16 "
         f"{f['matmul_bf16_flops'] / 1e9:.1f} GFLOP/s; copy {f['copy_bandwidth_Bps'] / 1e9:.2f} GB/s.",
