@@ -23,6 +23,30 @@ def _qk(b_a1, b_b1, b_a2, b_b2, HAS_D2: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def _load_split(p, o_row, m_row, o_d1, m_d1, o_d2, m_d2, D: tl.constexpr, HAS_D2: tl.constexpr, DOT: tl.constexpr):
+    """Rows ``o_row`` of a ``[*, D]`` tensor as its two head-dim chunks (the second is the first when HAS_D2
+    is False), masked rows read as 0, converted to the dot dtype."""
+    # [rows, BLOCK_D1]
+    b_1 = tl.load(p + o_row[:, None] * D + o_d1[None, :], mask=m_row[:, None] & m_d1[None, :], other=0.0).to(DOT)
+    b_2 = b_1
+    if HAS_D2:
+        # [rows, BLOCK_D2]
+        b_2 = tl.load(p + o_row[:, None] * D + o_d2[None, :], mask=m_row[:, None] & m_d2[None, :], other=0.0).to(DOT)
+    return b_1, b_2
+
+
+@triton.jit
+def _slot_keys(p_topk, i_k, o_r, s1, kv0, S2, i_n2, N2: tl.constexpr, BS: tl.constexpr, CAUSAL: tl.constexpr):
+    """Slot ``i_k`` of one (token, KV head): the flat key rows of its block and their visibility (spec §2)."""
+    idx = tl.load(p_topk + i_k).to(tl.int64)
+    o_p = idx * BS + o_r
+    m_k = (idx >= 0) & (o_r < BS) & (o_p < S2)
+    if CAUSAL:
+        m_k = m_k & (o_p <= s1)
+    return (kv0 + o_p) * N2 + i_n2, m_k
+
+
+@triton.jit
 def nsa_fwd_kernel(
     q, k, v, topk, o, m_out, l_out,
     tok_pos, tok_kv0, tok_s2,
@@ -48,14 +72,10 @@ def nsa_fwd_kernel(
     m_d1 = o_d1 < Dqk
     m_dv = o_dv < Dv
 
-    # [BLOCK_G, BLOCK_D1]
-    b_q1 = tl.load(q + o_h[:, None] * Dqk + o_d1[None, :], mask=m_g[:, None] & m_d1[None, :], other=0.0).to(DOT)
-    b_q2 = b_q1
     o_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
     m_d2 = o_d2 < Dqk
-    if HAS_D2:
-        # [BLOCK_G, BLOCK_D2]
-        b_q2 = tl.load(q + o_h[:, None] * Dqk + o_d2[None, :], mask=m_g[:, None] & m_d2[None, :], other=0.0).to(DOT)
+    # [BLOCK_G, BLOCK_D1], [BLOCK_G, BLOCK_D2]
+    b_q1, b_q2 = _load_split(q, o_h, m_g, o_d1, m_d1, o_d2, m_d2, Dqk, HAS_D2, DOT)
 
     # [BLOCK_G]
     b_m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -65,18 +85,9 @@ def nsa_fwd_kernel(
 
     p_topk = topk + (i_t * N2 + i_n2) * K
     for i_k in range(K):
-        idx = tl.load(p_topk + i_k).to(tl.int64)
-        o_p = idx * BS + o_r
-        m_k = (idx >= 0) & (o_r < BS) & (o_p < S2)
-        if CAUSAL:
-            m_k = m_k & (o_p <= s1)
-        o_row = (kv0 + o_p) * N2 + i_n2
-        # [BLOCK_BS, BLOCK_D1]
-        b_k1 = tl.load(k + o_row[:, None] * Dqk + o_d1[None, :], mask=m_k[:, None] & m_d1[None, :], other=0.0).to(DOT)
-        b_k2 = b_k1
-        if HAS_D2:
-            # [BLOCK_BS, BLOCK_D2]
-            b_k2 = tl.load(k + o_row[:, None] * Dqk + o_d2[None, :], mask=m_k[:, None] & m_d2[None, :], other=0.0).to(DOT)
+        o_row, m_k = _slot_keys(p_topk, i_k, o_r, s1, kv0, S2, i_n2, N2, BS, CAUSAL)
+        # [BLOCK_BS, BLOCK_D1], [BLOCK_BS, BLOCK_D2]
+        b_k1, b_k2 = _load_split(k, o_row, m_k, o_d1, m_d1, o_d2, m_d2, Dqk, HAS_D2, DOT)
         # [BLOCK_BS, BLOCK_DV]
         b_v = tl.load(v + o_row[:, None] * Dv + o_dv[None, :], mask=m_k[:, None] & m_dv[None, :], other=0.0).to(DOT)
         # [BLOCK_G, BLOCK_BS]
@@ -125,14 +136,10 @@ def nsa_bwd_dq_kernel(
     m_d1 = o_d1 < Dqk
     m_dv = o_dv < Dv
 
-    # [BLOCK_G, BLOCK_D1]
-    b_q1 = tl.load(q + o_h[:, None] * Dqk + o_d1[None, :], mask=m_g[:, None] & m_d1[None, :], other=0.0).to(DOT)
-    b_q2 = b_q1
     o_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
     m_d2 = o_d2 < Dqk
-    if HAS_D2:
-        # [BLOCK_G, BLOCK_D2]
-        b_q2 = tl.load(q + o_h[:, None] * Dqk + o_d2[None, :], mask=m_g[:, None] & m_d2[None, :], other=0.0).to(DOT)
+    # [BLOCK_G, BLOCK_D1], [BLOCK_G, BLOCK_D2]
+    b_q1, b_q2 = _load_split(q, o_h, m_g, o_d1, m_d1, o_d2, m_d2, Dqk, HAS_D2, DOT)
     # [BLOCK_G, BLOCK_DV]
     b_do32 = tl.load(do + o_h[:, None] * Dv + o_dv[None, :], mask=m_g[:, None] & m_dv[None, :], other=0.0).to(tl.float32)
     b_o32 = tl.load(o + o_h[:, None] * Dv + o_dv[None, :], mask=m_g[:, None] & m_dv[None, :], other=0.0).to(tl.float32)
@@ -151,18 +158,9 @@ def nsa_bwd_dq_kernel(
 
     p_topk = topk + (i_t * N2 + i_n2) * K
     for i_k in range(K):
-        idx = tl.load(p_topk + i_k).to(tl.int64)
-        o_p = idx * BS + o_r
-        m_k = (idx >= 0) & (o_r < BS) & (o_p < S2)
-        if CAUSAL:
-            m_k = m_k & (o_p <= s1)
-        o_row = (kv0 + o_p) * N2 + i_n2
-        # [BLOCK_BS, BLOCK_D1]
-        b_k1 = tl.load(k + o_row[:, None] * Dqk + o_d1[None, :], mask=m_k[:, None] & m_d1[None, :], other=0.0).to(DOT)
-        b_k2 = b_k1
-        if HAS_D2:
-            # [BLOCK_BS, BLOCK_D2]
-            b_k2 = tl.load(k + o_row[:, None] * Dqk + o_d2[None, :], mask=m_k[:, None] & m_d2[None, :], other=0.0).to(DOT)
+        o_row, m_k = _slot_keys(p_topk, i_k, o_r, s1, kv0, S2, i_n2, N2, BS, CAUSAL)
+        # [BLOCK_BS, BLOCK_D1], [BLOCK_BS, BLOCK_D2]
+        b_k1, b_k2 = _load_split(k, o_row, m_k, o_d1, m_d1, o_d2, m_d2, Dqk, HAS_D2, DOT)
         # [BLOCK_BS, BLOCK_DV]
         b_v = tl.load(v + o_row[:, None] * Dv + o_dv[None, :], mask=m_k[:, None] & m_dv[None, :], other=0.0).to(DOT)
         # [BLOCK_G, BLOCK_BS]
@@ -195,12 +193,8 @@ def _dkv_step(
     o_t = tl.load(ent_tok + o_e, mask=m_x, other=0).to(tl.int64)
     o_s1 = tl.load(tok_pos + o_t, mask=m_x, other=0).to(tl.int64)
     o_h = o_t * N1 + i_n2 * G + o_xg
-    # [ROWS, BLOCK_D1]
-    b_q1 = tl.load(q + o_h[:, None] * Dqk + o_d1[None, :], mask=m_x[:, None] & m_d1[None, :], other=0.0).to(DOT)
-    b_q2 = b_q1
-    if HAS_D2:
-        # [ROWS, BLOCK_D2]
-        b_q2 = tl.load(q + o_h[:, None] * Dqk + o_d2[None, :], mask=m_x[:, None] & m_d2[None, :], other=0.0).to(DOT)
+    # [ROWS, BLOCK_D1], [ROWS, BLOCK_D2]
+    b_q1, b_q2 = _load_split(q, o_h, m_x, o_d1, m_d1, o_d2, m_d2, Dqk, HAS_D2, DOT)
     # [ROWS, BLOCK_DV]
     b_do = tl.load(do + o_h[:, None] * Dv + o_dv[None, :], mask=m_x[:, None] & m_dv[None, :], other=0.0).to(DOT)
     # [ROWS]
@@ -269,14 +263,10 @@ def nsa_bwd_dkv_kernel(
     m_dv = o_dv < Dv
     o_krow = row0 + o_r * N2
 
-    # [BLOCK_BS, BLOCK_D1]
-    b_k1 = tl.load(k + o_krow[:, None] * Dqk + o_d1[None, :], mask=m_r[:, None] & m_d1[None, :], other=0.0).to(DOT)
-    b_k2 = b_k1
     o_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
     m_d2 = o_d2 < Dqk
-    if HAS_D2:
-        # [BLOCK_BS, BLOCK_D2]
-        b_k2 = tl.load(k + o_krow[:, None] * Dqk + o_d2[None, :], mask=m_r[:, None] & m_d2[None, :], other=0.0).to(DOT)
+    # [BLOCK_BS, BLOCK_D1], [BLOCK_BS, BLOCK_D2]
+    b_k1, b_k2 = _load_split(k, o_krow, m_r, o_d1, m_d1, o_d2, m_d2, Dqk, HAS_D2, DOT)
     # [BLOCK_BS, BLOCK_DV]
     b_v = tl.load(v + o_krow[:, None] * Dv + o_dv[None, :], mask=m_r[:, None] & m_dv[None, :], other=0.0).to(DOT)
 
