@@ -187,6 +187,18 @@ def env_line(env: dict) -> str:
     )
 
 
+def save_run(name: str, op: str, *, quick: bool, smoke: bool, env: dict, out: Path, rows: list[dict],
+             plot: Callable[[list[dict], Path], None] | None, **fields) -> dict:
+    """Close a run: stamp the end load, append the record to ``out/<name>.json``, draw ``out/<name>.png``."""
+    env["loadavg_end"] = loadavg()
+    record = {"op": op, "mode": "smoke" if smoke else ("quick" if quick else "full"), "env": env, **fields,
+              "rows": rows}
+    append_json(out / f"{name}.json", record)
+    if plot is not None:
+        plot(rows, out / f"{name}.png")
+    return record
+
+
 def median_time(
     fn: Callable[[], object],
     *,

@@ -262,13 +262,8 @@ def run(quick: bool = False, smoke: bool = False, out: Path | str | None = None,
         case = build_case(cfg)
         rows.append(bench_case(case, floors, unpermute, quick=quick, smoke=smoke))
         del case
-    env["loadavg_end"] = C.loadavg()
-    record = {"op": OP, "mode": "smoke" if smoke else ("quick" if quick else "full"), "env": env,
-              "floors": floors, "gate": gate, "peers": peer_info, "rows": rows}
-    C.append_json(out / "moe.json", record)
-    if plot:
-        _plot(rows, out / "moe.png")
-    return record
+    return C.save_run("moe", OP, quick=quick, smoke=smoke, env=env, out=out, rows=rows, plot=_plot if plot else None,
+                      floors=floors, gate=gate, peers=peer_info)
 
 
 def markdown_table(record: dict) -> str:

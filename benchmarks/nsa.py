@@ -301,14 +301,8 @@ def run(quick: bool = False, smoke: bool = False, out: Path | str | None = None,
         case = build_case(cfg)
         rows.append(bench_case(case, floors, naive, quick=quick, smoke=smoke, fla_budget_s=peer_budget_s or (10.0 if quick else 25.0)))
         del case
-    env["loadavg_end"] = C.loadavg()
-    record = {"op": OP, "mode": "smoke" if smoke else ("quick" if quick else "full"), "env": env,
-              "floors": floors, "flops_per_visible_pair": flops_per_pair(192, 128), "gate": gate,
-              "peers": peer_info, "rows": rows}
-    C.append_json(out / "nsa.json", record)
-    if plot:
-        _plot(rows, out / "nsa.png")
-    return record
+    return C.save_run("nsa", OP, quick=quick, smoke=smoke, env=env, out=out, rows=rows, plot=_plot if plot else None,
+                      floors=floors, flops_per_visible_pair=flops_per_pair(192, 128), gate=gate, peers=peer_info)
 
 
 def markdown_table(record: dict) -> str:
