@@ -167,6 +167,16 @@ def test_one_dim_indices_mean_k1():
         assert torch.equal(x, y)
 
 
+def _torch_and_float64_reference(d, extra, rng):
+    """The op chain on the torch backend in the inputs' dtypes, and on the reference in float64 (upcast
+    inputs); ``sorted_indices`` is checked bitwise here and left out of both results."""
+    got = _chain("torch", d, rng, 0, True, extra)
+    up = {k: (v.to(F64) if v.is_floating_point() else v) for k, v in d.items()}
+    want = _chain("reference", up, rng, 0, True, {k: v.to(F64) for k, v in extra.items()})
+    assert torch.equal(got.pop("sorted_indices"), want.pop("sorted_indices"))
+    return got, want
+
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DTYPE_PAIRS = [pytest.param(a, b, id=f"tokens-{str(a)[6:]}-probs-{str(b)[6:]}") for a in DTYPES for b in DTYPES]
 
@@ -177,13 +187,8 @@ def test_dtype_pairs_against_float64_reference(dtype, probs_dtype):
     d = _inputs(T, K, H, dtype=dtype, probs_dtype=probs_dtype, seed=5)
     extra = _extra(T, K, H, dtype=dtype, seed=6)
     extra["w_pp"] = extra["w_pp"].to(probs_dtype)
-    got = _chain("torch", d, rng, 0, True, extra)
-    up = {k: (v.to(F64) if v.is_floating_point() else v) for k, v in d.items()}
-    want = _chain("reference", up, rng, 0, True, {k: v.to(F64) for k, v in extra.items()})
+    got, want = _torch_and_float64_reference(d, extra, rng)
     for name in want:
-        if name == "sorted_indices":
-            assert torch.equal(got[name], want[name])
-            continue
         out_dtype = got[name].dtype
         assert out_dtype == (probs_dtype if "prob" in name else dtype), name
         assert_close(got[name], want[name], out_dtype, name=name)
@@ -299,19 +304,12 @@ class _PoisonedTorch:
 def test_poisoned_buffers_are_fully_written(monkeypatch, rng, dtype):
     """Every buffer torch_impl allocates without initialising starts as NaN: an element that no code path
     writes shows up as NaN in the outputs."""
-    from sparseops.moe import torch_impl
-
     monkeypatch.setattr(torch_impl, "torch", _PoisonedTorch())
     monkeypatch.setattr(torch_impl, "_CHUNK_BYTES", 64)  # many chunks, ragged tail
     d = _inputs(40, 3, 5, dtype=dtype)
     ex = _extra(40, 3, 5, dtype=dtype)
-    got = _chain("torch", d, rng, 0, True, ex)
-    up = {k: (v.to(F64) if v.is_floating_point() else v) for k, v in d.items()}
-    want = _chain("reference", up, rng, 0, True, {k: v.to(F64) for k, v in ex.items()})
+    got, want = _torch_and_float64_reference(d, ex, rng)
     for name in want:
-        if name == "sorted_indices":
-            assert torch.equal(got[name], want[name])
-            continue
         assert not torch.isnan(got[name]).any(), name
         assert_close(got[name], want[name], got[name].dtype, name=name)
 
