@@ -253,8 +253,6 @@ def test_repeated_calls_are_bitwise_identical(dtype):
 
 def test_chunked_paths_match_reference(monkeypatch):
     """Shrink the chunk so that every loop runs many chunks with a ragged tail."""
-    from sparseops.moe import torch_impl
-
     monkeypatch.setattr(torch_impl, "_CHUNK_BYTES", 1)
     for dtype in (F64, torch.bfloat16):
         d = _inputs(40, 3, 5, dtype=dtype)
@@ -318,8 +316,6 @@ def test_huge_page_advice_changes_no_value(monkeypatch):
     """With every output advised ``MADV_HUGEPAGE`` (threshold 1 byte) the results are bitwise those without
     advice, and the advice is actually given on Linux."""
     import sys
-
-    from sparseops.moe import torch_impl
 
     d = _inputs(40, 3, 70, dtype=torch.bfloat16)
     ex = _extra(40, 3, 70, dtype=torch.bfloat16)
