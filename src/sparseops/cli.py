@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import sparseops
-from sparseops import _checks, testing
+from sparseops import _checks, _compile, testing
 from sparseops.moe import reference as moe_ref
 from sparseops.nsa import reference as nsa_ref
 
@@ -91,6 +91,7 @@ def info_lines() -> list[str]:
         f"triton usable {'yes' if _checks.triton_available() else 'no'}"
         f" (TRITON_INTERPRET={'1: kernels run on CPU tensors' if interp else '0'})",
         f"auto backend  cpu tensors -> {_auto_pick('cpu')}; cuda tensors -> {_auto_pick('cuda')}",
+        f"cpu kernels   {_compile.status()}",
         f"deterministic sparseops.is_deterministic()={sparseops.is_deterministic()}, "
         f"torch.are_deterministic_algorithms_enabled()={torch.are_deterministic_algorithms_enabled()}",
     ]

@@ -22,6 +22,8 @@ import sys
 
 import torch
 
+from .. import _compile
+
 #: bytes of one chunk's gathered rows (fp32 upcast size for fp16 / bf16); small enough to stay in a core's L2
 _CHUNK_BYTES = 1 << 18
 #: unpermute_grad's fp32 / float64 path (3 ops per chunk, no upcast buffers) takes chunks this many times larger
@@ -77,6 +79,21 @@ def _empty_rows(n: int, H: int, dtype: torch.dtype, device: torch.device) -> tor
         if length > 0:
             _madvise(a, length, _MADV_HUGEPAGE)
     return out
+
+
+#: the seed op takes its compiled kernel (``_compile``) from this many output elements ``R * H``; below it the
+#: eager ops are about as fast and no compile is worth its seconds
+_COMPILED_MIN_ELEMENTS = 1 << 16
+_COMPILED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@_compile.kernel("moe_unpermute_grad")
+def _unpermute_grad_fused(grad, tok, permuted_tokens, scale, ptg, dots):
+    """One pass over the window's rows: ``ptg[r] = grad[tok[r]] * scale[r]`` (fp32 math, rounded once) and
+    ``dots[r] = <grad[tok[r]], permuted_tokens[r]>`` (fp32)."""
+    g = grad.index_select(0, tok).float()
+    ptg.copy_(g * scale.float()[:, None])
+    dots.copy_((g * permuted_tokens.float()).sum(-1))
 
 
 def _acc_dtype(*ts) -> torch.dtype:
@@ -224,7 +241,17 @@ def unpermute_grad(grad, sorted_indices, permuted_tokens, probs, K, s, e):
         scale = row_probs.to(acc_dtype)  # mixed dtypes: multiply in fp32, round once into ptg
     dots = torch.empty(R, dtype=acc_dtype, device=grad.device)
     step = _chunk_rows(H, 4 if acc_dtype == torch.float32 else 8)
-    if grad.dtype == acc_dtype and permuted_tokens.dtype == acc_dtype:
+    fusable = (
+        grad.device.type == "cpu"
+        and acc_dtype == torch.float32
+        and grad.dtype == permuted_tokens.dtype
+        and grad.dtype in _COMPILED_DTYPES
+        and min(T, H, R) >= 2
+        and R * H >= _COMPILED_MIN_ELEMENTS
+    )
+    if fusable and _unpermute_grad_fused(grad, tok, permuted_tokens, scale, ptg, dots):
+        pass
+    elif grad.dtype == acc_dtype and permuted_tokens.dtype == acc_dtype:
         step = _chunk_rows(H, 4 if acc_dtype == torch.float32 else 8, _BIG_CHUNK_FACTOR)
         for r0 in range(0, R, step):
             r1 = min(R, r0 + step)

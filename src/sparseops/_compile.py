@@ -1,0 +1,87 @@
+"""CPU kernels fused by ``torch.compile`` (inductor), with the eager PyTorch code as the fallback.
+
+A chain of eager ops makes one pass over memory per op (and, for fp16 / bf16, extra up-cast passes); inductor
+fuses such a chain into one C++ loop that reads each input once and writes each output once. The compiled
+kernel computes the same expressions as the eager code (fp32 math, every output rounded once), so either
+path is exact to the same tolerances; the sums may add in a different order.
+
+- Compiled lazily, on the first call that qualifies (a few seconds, once per process and dtype; inductor's
+  on-disk cache makes later processes faster). Nothing happens at import time.
+- Shapes are dynamic (one compile serves every size); sizes 0 and 1 stay on the eager path, as inductor
+  would specialise on them.
+- Off when ``SPARSEOPS_COMPILE=0`` is set, while ``torch.compile`` is tracing the caller, and after a
+  failed compile (no C++ compiler, an unsupported platform): a failure is reported once with
+  ``warnings.warn`` and the eager path is used from then on. The kernels write only the output tensors they
+  are given, so a failed attempt leaves nothing half-done that the eager path would not overwrite.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+
+import torch
+
+
+def enabled() -> bool:
+    """Whether compiled CPU kernels may be used (``SPARSEOPS_COMPILE`` is not ``0``)."""
+    return os.environ.get("SPARSEOPS_COMPILE", "1") != "0"
+
+
+class CompiledKernel:
+    """``fn`` compiled with ``torch.compile(dynamic=True)`` on first use; ``__call__`` returns False (and
+    runs nothing) when the compiled kernel is unavailable, so the caller runs its eager code."""
+
+    def __init__(self, fn: Callable[..., None], name: str):
+        self.fn = fn
+        self.name = name
+        self._compiled = None
+        self.failed: str | None = None
+        self.calls = 0
+
+    def __call__(self, *args) -> bool:
+        if self.failed is not None or not enabled() or torch.compiler.is_compiling():
+            return False
+        if self._compiled is None:
+            self._compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
+        try:
+            with torch.no_grad():
+                self._compiled(*args)
+        except Exception as exc:  # noqa: BLE001 - any compile failure means: use the eager path
+            self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            warnings.warn(
+                f"sparseops: torch.compile of the CPU kernel {self.name} failed ({self.failed}); "
+                "using the eager PyTorch path from now on",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return False
+        self.calls += 1
+        return True
+
+
+#: every kernel made by :func:`kernel`, for ``sparseops info``
+KERNELS: list[CompiledKernel] = []
+
+
+def kernel(name: str) -> Callable[[Callable[..., None]], CompiledKernel]:
+    """Decorator: wrap an out-parameter function (it writes its results into tensors it is given and returns
+    None) as a lazily compiled :class:`CompiledKernel`."""
+
+    def wrap(fn: Callable[..., None]) -> CompiledKernel:
+        k = CompiledKernel(fn, name)
+        KERNELS.append(k)
+        return k
+
+    return wrap
+
+
+def status() -> str:
+    """One line for ``sparseops info``."""
+    if not enabled():
+        return "off (SPARSEOPS_COMPILE=0): eager PyTorch on the CPU"
+    failed = [f"{k.name} ({k.failed})" for k in KERNELS if k.failed]
+    if failed:
+        return "eager after a failed compile: " + "; ".join(failed)
+    return "on: torch.compile (inductor) fuses the CPU hot loops on first use; SPARSEOPS_COMPILE=0 turns it off"
