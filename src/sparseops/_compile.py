@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Callable
 
 import torch
+import torch.fx.experimental._config
 
 
 def enabled() -> bool:
@@ -46,7 +47,8 @@ class CompiledKernel:
         if self._compiled is None:
             self._compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
         try:
-            with torch.no_grad():
+            # no duck sizing: two dims equal at the first call must not be assumed equal forever (a recompile)
+            with torch.no_grad(), torch.fx.experimental._config.patch(use_duck_shape=False):
                 self._compiled(*args)
         except Exception as exc:  # noqa: BLE001 - any compile failure means: use the eager path
             self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
