@@ -157,6 +157,7 @@ def loadavg() -> list[float] | None:
 def environment() -> dict:
     """Where and with what the numbers were taken."""
     import sparseops
+    from sparseops import _compile
 
     return {
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -170,6 +171,7 @@ def environment() -> dict:
         "sparseops": getattr(sparseops, "__version__", None),
         "git_commit": git_commit(),
         "loadavg_start": loadavg(),
+        "cpu_kernels": _compile.status(),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv and sys.argv[0] else None,
     }
 
