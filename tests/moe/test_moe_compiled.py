@@ -182,3 +182,25 @@ def test_compiled_kernel_inside_a_compiled_caller(compiled):
     want = _seed(g, si, pt, probs, rng, K)
     assert_close(got[0], want[0] * 2, torch.float32)
     assert_close(got[1], want[1].sum(), torch.float32)
+
+
+def test_compiled_kernel_under_autograd_and_inference_mode(compiled):
+    """The kernel runs inside the autograd backward of ``moe_token_unpermute_with_ep`` and under
+    ``torch.inference_mode``."""
+    from sparseops import moe_token_unpermute_with_ep
+
+    T, K, H, rng = 30, 4, 40, [9, 101]
+    g, si, pt, probs = _case(T, K, H, rng, torch.float32, seed=10)
+    x = pt.clone().requires_grad_()
+    p = probs.clone().requires_grad_()
+    before = compiled.calls
+    out = moe_token_unpermute_with_ep(x, si, p, K, rng, backend="torch")
+    dx, dp = torch.autograd.grad(out, [x, p], g)
+    assert compiled.calls == before + 1
+    want = _seed(g.to(F64), si, pt.to(F64), probs.to(F64), rng, K, backend="reference")
+    assert_close(dx, want[0], torch.float32, name="permuted_tokens.grad")
+    assert_close(dp, want[1], torch.float32, name="probs.grad")
+    with torch.inference_mode():
+        got = _seed(g, si, pt, probs, rng, K)
+    assert compiled.calls == before + 2
+    assert torch.equal(got[0], dx)
