@@ -306,7 +306,7 @@ def compile_check(Gs=(1, 4, 16, 32), cfg=None):
     for G in Gs:
         print(f"G={G}:")
         gk = triton_impl._next_pow2(G)
-        tile, warps = triton_impl._q_tile(G, K)
+        tile, warps = triton_impl._q_tile(G, K, BS, hb)
         common = dict(N1=N2 * G, N2=N2, G=G, BS=BS, BLOCK_BS=triton_impl._next_pow2(BS), Dqk=Dqk, Dv=Dv,
                       CAUSAL=True, DOT=tl.bfloat16, PREC="tf32", **hb)
         meta = {"tok_pos": i32, "tok_kv0": i64, "tok_s2": i32, "topk": i32,
@@ -316,7 +316,8 @@ def compile_check(Gs=(1, 4, 16, 32), cfg=None):
         one(kern.nsa_fwd_kernel, {**dict.fromkeys("q k v o".split(), bf), "m_out": f32, "l_out": f32, **meta},
             qk, warps)
         one(kern.nsa_bwd_dq_kernel, {**dict.fromkeys("q k v o do dq".split(), bf),
-                                     **dict.fromkeys("m_in l_in delta".split(), f32), **meta}, qk, warps)
+                                     **dict.fromkeys("m_in l_in delta".split(), f32), **meta}, qk,
+            triton_impl._q_tile(G, K, BS, hb, dq=True)[1])
         for det in (False, True):
             one(kern.nsa_bwd_dkv_kernel, {**dict.fromkeys("q k v do".split(), bf),
                                           **dict.fromkeys("m_in l_in delta dk dv ws_k ws_v".split(), f32),

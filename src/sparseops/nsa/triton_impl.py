@@ -99,11 +99,15 @@ def pack_size(G: int) -> int:
     return max(1, PACK_ROWS // _next_pow2(G))
 
 
-def _q_tile(G: int, K: int) -> tuple[dict, int]:
-    """Tile constexprs of the query-major kernels (rows = PACK tokens x BLOCK_G heads) and their warp count."""
+def _q_tile(G: int, K: int, bs: int, heads: dict, dq: bool = False) -> tuple[dict, int]:
+    """Tile constexprs of the query-major kernels (rows = PACK tokens x BLOCK_G heads) and their warp count:
+    4 for 16 rows, 8 for more. The packed dQ also takes 8 when a key block holds >= 32K values (padded
+    ``bs * (Dqk + Dv)``, e.g. bs = 64 with Dqk = Dv = 256): with 4 it spills there (sm_90 compile check)."""
     P = pack_size(G)
     block_g = _next_pow2(G) if P > 1 else max(16, _next_pow2(G))
-    return {"BLOCK_G": block_g, "PACK": P, "BLOCK_K": _next_pow2(K)}, 4 if P * block_g <= 16 else 8
+    cols = heads["BLOCK_D1"] + (heads["BLOCK_D2"] if heads["HAS_D2"] else 0) + heads["BLOCK_DV"]
+    wide = dq and P > 1 and _next_pow2(bs) * cols >= 32768
+    return {"BLOCK_G": block_g, "PACK": P, "BLOCK_K": _next_pow2(K)}, 4 if P * block_g <= 16 and not wide else 8
 
 
 def build_pack_table(topk, cu_q, P: int) -> dict:
@@ -147,9 +151,9 @@ def build_pack_table(topk, cu_q, P: int) -> dict:
     }
 
 
-def _q_launch(topk, cu_q, G, K, pos):
-    """Grid size, pack-table kernel arguments and constexprs of the forward / dQ kernels."""
-    tile, warps = _q_tile(G, K)
+def _q_launch(topk, cu_q, G, K, bs, heads, pos, dq=False):
+    """Grid size, pack-table kernel arguments, constexprs and warps of the forward / dQ kernels."""
+    tile, warps = _q_tile(G, K, bs, heads, dq)
     if tile["PACK"] == 1:
         # the kernels never read the pack table: any int tensor stands in
         return topk.shape[0], (pos, pos, pos, pos), tile, warps
@@ -171,11 +175,12 @@ def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
         return out, m, l
     q, k, v, topk = q.contiguous(), k.contiguous(), v.contiguous(), topk.contiguous()
     _, pos, kv0, s2 = _token_meta(cu_q, cu_kv, q.device)
-    n_packs, pk, tile, warps = _q_launch(topk, cu_q, G, K, pos)
+    heads = _head_blocks(Dqk, Dv)
+    n_packs, pk, tile, warps = _q_launch(topk, cu_q, G, K, bs, heads, pos)
     kern.nsa_fwd_kernel[(n_packs, N2)](
         q, k, v, topk, out, m, l, pos, kv0, s2, *pk, float(scale),
         N1=N1, N2=N2, G=G, K=K, BS=bs, BLOCK_BS=_next_pow2(bs), Dqk=Dqk, Dv=Dv, **tile,
-        CAUSAL=bool(causal), **_head_blocks(Dqk, Dv), **_dot_args(q), USE_WHILE=_interpreting(),
+        CAUSAL=bool(causal), **heads, **_dot_args(q), USE_WHILE=_interpreting(),
         num_warps=warps, num_stages=FWD_STAGES,
     )
     return out, m, l
@@ -267,7 +272,7 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     heads = _head_blocks(Dqk, Dv)
     dots = _dot_args(q)
     block_bs = _next_pow2(bs)
-    n_packs, pk, tile, warps = _q_launch(topk, cu_q, G, K, pos)
+    n_packs, pk, tile, warps = _q_launch(topk, cu_q, G, K, bs, heads, pos, dq=True)
     kern.nsa_bwd_dq_kernel[(n_packs, N2)](
         q, k, v, out, dout, m, l, delta, topk, dq, pos, kv0, s2, *pk, float(scale),
         N1=N1, N2=N2, G=G, K=K, BS=bs, BLOCK_BS=block_bs, Dqk=Dqk, Dv=Dv, **tile,
