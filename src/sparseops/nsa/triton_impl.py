@@ -2,9 +2,15 @@
 
 Same internal signatures as ``reference.py`` (docs/internals.md). Arguments are already validated.
 
-- ``forward``: one program per (query token, KV head); the token's G query heads are the tile rows
-  (padded to 16 for ``tl.dot``); an fp32 online softmax over the K slots.
-- ``backward``: dQ query-major like the forward (no atomics; it also writes
+- ``forward``: one program per (token pack, KV head), an fp32 online softmax over the selected blocks.
+  G >= 9: a pack is one token, its G query heads are the tile rows (padded to 16 for ``tl.dot``), the loop
+  runs over its K slots in order. G <= 8: a pack is ``P = pack_size(G) = 16 // next_pow2(G)`` consecutive
+  tokens of one sequence (the last pack of a sequence may be shorter; masked rows), tile row
+  ``x = j * next_pow2(G) + g`` is head g of token j. ``build_pack_table`` (torch ops on the device) lists each
+  pack's distinct selected blocks; each is loaded and multiplied once for all rows, and a row sees it where
+  its own token selected it (counted in the kernel from ``topk``: a block picked twice counts twice) and,
+  under causal masking, up to its own token's position. Not yet run on a GPU.
+- ``backward``: dQ query-major with the forward's grid and packing (no atomics; it also writes
   ``D = rowsum(dY * O)``), then dK/dV
   key-block-major over an inverse index (for each key block of each KV head, the stably sorted list of
   query tokens that selected it, built with torch ops on the device, no host sync). Each index list is
