@@ -127,7 +127,7 @@ def nsa_fwd_kernel(
     BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, USE_WHILE: tl.constexpr,
 ):
     """One program per (pack of PACK consecutive query tokens of one sequence, KV head); the tile rows are the
-    pack's (token, head) pairs. PACK == 1 (G >= 16): the token's K slots in order. PACK > 1: the pack's distinct
+    pack's (token, head) pairs. PACK == 1 (G >= 9): the token's K slots in order. PACK > 1: the pack's distinct
     selected blocks (``pk_ids``, ``pk_nu`` of them), each loaded and multiplied once for all rows."""
     i_p = tl.program_id(0).to(tl.int64)
     i_n2 = tl.program_id(1).to(tl.int64)
