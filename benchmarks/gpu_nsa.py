@@ -305,16 +305,19 @@ def compile_check(Gs=(1, 4, 16, 32), cfg=None):
 
     for G in Gs:
         print(f"G={G}:")
-        bg, gk = max(16, triton_impl._next_pow2(G)), triton_impl._next_pow2(G)
+        gk = triton_impl._next_pow2(G)
+        tile, warps = triton_impl._q_tile(G, K, BS, hb)
         common = dict(N1=N2 * G, N2=N2, G=G, BS=BS, BLOCK_BS=triton_impl._next_pow2(BS), Dqk=Dqk, Dv=Dv,
                       CAUSAL=True, DOT=tl.bfloat16, PREC="tf32", **hb)
-        meta = {"tok_pos": i32, "tok_kv0": i64, "tok_s2": i32, "topk": i32}
-        warps = 4 if bg <= 16 else 8
+        meta = {"tok_pos": i32, "tok_kv0": i64, "tok_s2": i32, "topk": i32,
+                "pk_t0": i64, "pk_n": i32, "pk_ids": i32, "pk_nu": i32}
+        qk = {**common, "K": K, **tile, "USE_WHILE": False}
+        print(f"  (forward / dQ: {tile['PACK']} token(s) x {tile['BLOCK_G']} head rows per tile)")
         one(kern.nsa_fwd_kernel, {**dict.fromkeys("q k v o".split(), bf), "m_out": f32, "l_out": f32, **meta},
-            {**common, "K": K, "BLOCK_G": bg}, warps)
+            qk, warps)
         one(kern.nsa_bwd_dq_kernel, {**dict.fromkeys("q k v o do dq".split(), bf),
-                                     **dict.fromkeys("m_in l_in delta".split(), f32), **meta},
-            {**common, "K": K, "BLOCK_G": bg}, warps)
+                                     **dict.fromkeys("m_in l_in delta".split(), f32), **meta}, qk,
+            triton_impl._q_tile(G, K, BS, hb, dq=True)[1])
         for det in (False, True):
             one(kern.nsa_bwd_dkv_kernel, {**dict.fromkeys("q k v do".split(), bf),
                                           **dict.fromkeys("m_in l_in delta dk dv ws_k ws_v".split(), f32),

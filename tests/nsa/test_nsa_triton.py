@@ -90,6 +90,90 @@ def test_fp32_against_reference(kw):
     _check(_case(**kw), torch.float32)
 
 
+# Token packing (G < 16): a forward / dQ program takes P = 16 // next_pow2(G) consecutive tokens of one sequence.
+# Sequence lengths are not multiples of P (ragged last packs), with a 1-token and an empty sequence.
+PACK_CASES = [
+    # G = 1, P = 16: a 21-token sequence is a full pack + 5; the last sequence has no keys (fully masked rows)
+    ("G1-P16", dict(seqs_q=[1, 0, 21, 6], seqs_kv=[17, 5, 40, 0], N1=2, N2=2, K=3, empty_frac=0.2, duplicates=True)),
+    # G = 2, P = 8, not causal: each token of a pack sees whole blocks, many of them shared
+    ("G2-P8-noncausal", dict(seqs_q=[11, 1, 0, 7], seqs_kv=[30, 33, 4, 18], N1=4, N2=2, K=4, causal=False,
+                             empty_frac=0.2, duplicates=True)),
+    # G = 4, P = 4; Dqk = 48 (two head-dim chunks), Dv = 24 (padded)
+    ("G4-P4-split", dict(seqs_q=[6, 0, 1, 9], N1=8, N2=2, Dqk=48, Dv=24, K=2, empty_frac=0.1, duplicates=True)),
+    # G = 8, P = 2; bs = 32, S2 not a multiple of bs
+    ("G8-P2-bs32", dict(seqs_q=[5, 1, 0, 8], seqs_kv=[40, 9, 3, 70], N1=8, N2=1, bs=32, K=2, causal=False,
+                        duplicates=True)),
+]
+
+
+@pytest.mark.parametrize("kw", [c[1] for c in PACK_CASES], ids=[c[0] for c in PACK_CASES])
+def test_packed_tokens_against_reference(kw):
+    c = _case(**{"Dqk": 32, "Dv": 16, "bs": 16, **kw})
+    _check(c, torch.float32, deterministic_too=False)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_packed_tokens_select_different_blocks(causal):
+    """G = 2 (P = 8), one sequence of 10 tokens: a full pack and a ragged one of 2. Tokens of a pack pick
+    different blocks, duplicates (twice by one token), -1 slots; a whole pack of -1 on head 1 (no block at all)."""
+    head0 = [[-1, -1, -1], [0, 0, -1], [1, 0, 2], [3, -1, 0], [1, 2, 3], [0, 1, 2], [2, 2, 0], [0, 3, 1],
+             [0, -1, -1], [1, 1, 1]]
+    head1 = [[3, 2, 1], [2, -1, 2], [0, 0, 0], [-1, 1, -1], [3, 3, 0], [0, 1, 2], [1, -1, 3], [2, 0, 0],
+             [-1, -1, -1], [-1, -1, -1]]
+    topk = torch.tensor([head0, head1], dtype=torch.int32).transpose(0, 1).contiguous()
+    c = _case([10], [60], N1=4, N2=2, Dqk=32, Dv=16, bs=16, K=3, causal=causal, topk=topk)
+    out, m, l = _check(c, torch.float32, deterministic_too=False)
+    # (token, KV head) with no visible key: all -1; under causal masking (positions <= 9 see block 0 only)
+    # also every token that picked no block 0
+    sel = topk.to(DEVICE)
+    dead = (sel < 0).all(-1) if not causal else ~(sel == 0).any(-1)
+    dead = dead.repeat_interleave(2, dim=1)  # [T1, N1]: G = 2 heads per KV head
+    assert dead.any() and (~dead).any()
+    assert (out[dead] == 0).all() and (m[dead] == 0).all() and (l[dead] == 0).all()
+    dq, _, _ = _bwd(triton_impl, c, out, m, l)
+    assert (dq[dead] == 0).all()
+
+
+def test_packed_path_is_taken(monkeypatch):
+    """G < 16 launches the packed kernels (the pack table is built, P > 1); G = 16 keeps one token per program."""
+    assert [triton_impl.pack_size(g) for g in (1, 2, 3, 4, 8, 9, 16, 32)] == [16, 8, 4, 4, 2, 1, 1, 1]
+    seen = []
+    real = triton_impl.build_pack_table
+
+    def spy(topk, cu_q, P):
+        seen.append(P)
+        return real(topk, cu_q, P)
+
+    monkeypatch.setattr(triton_impl, "build_pack_table", spy)
+    for N1, expect in ((4, [8, 8]), (32, [])):  # N2 = 2: G = 2, then G = 16
+        seen.clear()
+        c = _case([5, 4], N1=N1, N2=2, Dqk=16, Dv=16, bs=16, K=2)
+        out, m, l = _fwd(triton_impl, c)
+        _bwd(triton_impl, c, out, m, l)
+        assert seen == expect
+
+
+def test_pack_table_invariants():
+    """Packs tile every token once, never cross a sequence, and list each pack's distinct valid block ids."""
+    seqs = [1, 0, 21, 6, 4]
+    c = _case(seqs, N1=2, N2=2, Dqk=16, Dv=16, bs=16, K=3, empty_frac=0.3, duplicates=True)
+    P = 4
+    pk = triton_impl.build_pack_table(c["topk"], c["cu_q"], P)
+    assert pk["n_packs"] == sum(-(-s // P) for s in seqs)
+    t0, n = pk["pk_t0"].tolist(), pk["pk_n"].tolist()
+    seq_id, _ = triton_impl.token_seq_positions(c["cu_q"])
+    covered = [t for a, b in zip(t0, n) for t in range(a, a + b)]
+    assert covered == list(range(sum(seqs)))
+    assert all(1 <= b <= P and seq_id[a] == seq_id[a + b - 1] for a, b in zip(t0, n))
+    topk = c["topk"].cpu()
+    for i, (a, b) in enumerate(zip(t0, n)):
+        for n2 in range(2):
+            want = sorted({int(x) for x in topk[a:a + b, n2].flatten() if x >= 0})
+            nu = int(pk["pk_nu"][i, n2])
+            assert nu == len(want)
+            assert pk["pk_ids"][i, n2, :nu].tolist() == want and (pk["pk_ids"][i, n2, nu:] == -1).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_half_inputs(dtype):
     c = _case([6, 19], N1=4, N2=2, Dqk=32, Dv=16, bs=16, K=2, dtype=dtype, empty_frac=0.2, duplicates=True)

@@ -2,9 +2,15 @@
 
 Same internal signatures as ``reference.py`` (docs/internals.md). Arguments are already validated.
 
-- ``forward``: one program per (query token, KV head); the token's G query heads are the tile rows
-  (padded to 16 for ``tl.dot``); an fp32 online softmax over the K slots.
-- ``backward``: dQ query-major like the forward (no atomics; it also writes
+- ``forward``: one program per (token pack, KV head), an fp32 online softmax over the selected blocks.
+  G >= 9: a pack is one token, its G query heads are the tile rows (padded to 16 for ``tl.dot``), the loop
+  runs over its K slots in order. G <= 8: a pack is ``P = pack_size(G) = 16 // next_pow2(G)`` consecutive
+  tokens of one sequence (the last pack of a sequence may be shorter; masked rows), tile row
+  ``x = j * next_pow2(G) + g`` is head g of token j. ``build_pack_table`` (torch ops on the device) lists each
+  pack's distinct selected blocks; each is loaded and multiplied once for all rows, and a row sees it where
+  its own token selected it (counted in the kernel from ``topk``: a block picked twice counts twice) and,
+  under causal masking, up to its own token's position. Not yet run on a GPU.
+- ``backward``: dQ query-major with the forward's grid and packing (no atomics; it also writes
   ``D = rowsum(dY * O)``), then dK/dV
   key-block-major over an inverse index (for each key block of each KV head, the stably sorted list of
   query tokens that selected it, built with torch ops on the device, no host sync). Each index list is
@@ -28,6 +34,8 @@ from .._varlen import seq_lengths, token_seq_positions
 CHUNK = 256
 #: target tile rows (tokens x heads) per step of the dK/dV kernel
 DKV_ROWS = 32
+#: tile rows the forward / dQ kernels fill by packing consecutive tokens when G < 16 (mma.sync needs M >= 16)
+PACK_ROWS = 16
 #: launch settings (sm_90; see docs/nsa.md (GPU section))
 FWD_STAGES = 2
 DKV_WARPS = 8
@@ -91,6 +99,74 @@ def _token_meta(cu_q, cu_kv, device):
     return seq_id, pos.to(torch.int32), kv0, s2
 
 
+def pack_size(G: int) -> int:
+    """Query tokens per forward / dQ program: ``PACK_ROWS // next_pow2(G)`` for G < 16 (G = 1: 16, G = 2: 8,
+    G = 3 or 4: 4, G = 5..8: 2), else 1."""
+    return max(1, PACK_ROWS // _next_pow2(G))
+
+
+def _q_tile(G: int, K: int, bs: int, heads: dict, dq: bool = False) -> tuple[dict, int]:
+    """Tile constexprs of the query-major kernels (rows = PACK tokens x BLOCK_G heads) and their warp count:
+    4 for 16 rows, 8 for more. The packed dQ also takes 8 when a key block holds >= 32K values (padded
+    ``bs * (Dqk + Dv)``, e.g. bs = 64 with Dqk = Dv = 256): with 4 it spills there (sm_90 compile check)."""
+    P = pack_size(G)
+    block_g = _next_pow2(G) if P > 1 else max(16, _next_pow2(G))
+    cols = heads["BLOCK_D1"] + (heads["BLOCK_D2"] if heads["HAS_D2"] else 0) + heads["BLOCK_DV"]
+    wide = dq and P > 1 and _next_pow2(bs) * cols >= 32768
+    return {"BLOCK_G": block_g, "PACK": P, "BLOCK_K": _next_pow2(K)}, 4 if P * block_g <= 16 and not wide else 8
+
+
+def build_pack_table(topk, cu_q, P: int) -> dict:
+    """Packs of up to P consecutive query tokens of one sequence, and the distinct blocks each pack selected.
+
+    Built with torch ops on the device; the pack count comes from the host-side ``cu_q`` (no sync).
+    E.g. P = 4, sequences of 6, 0, 1 tokens (``cu_q = [0, 6, 6, 7]``): packs start at tokens 0, 4, 6 with
+    4, 2, 1 tokens. Returns int tensors ``pk_t0 [n_packs]`` (first token, int64), ``pk_n [n_packs]`` (tokens in
+    the pack, 1..P), ``pk_ids [n_packs, N2, P*K]`` (the block ids the pack's tokens selected, each once, −1
+    slots dropped, ascending, then −1 padding; a per-sequence id, like ``topk``) and ``pk_nu [n_packs, N2]``
+    (how many). How often each token selected a block is recounted in the kernel from ``topk``.
+    """
+    dev = topk.device
+    T1, N2, K = topk.shape
+    lens = seq_lengths(cu_q)
+    per_seq = [-(-s // P) for s in lens]
+    n_packs = sum(per_seq)
+    per_seq_t = torch.tensor(per_seq, dtype=torch.int64, device=dev)
+    pk_seq = torch.repeat_interleave(torch.arange(len(lens), device=dev), per_seq_t, output_size=n_packs)
+    first = torch.cumsum(per_seq_t, 0) - per_seq_t
+    starts = torch.tensor(cu_q[:-1], dtype=torch.int64, device=dev)
+    ends = torch.tensor(cu_q[1:], dtype=torch.int64, device=dev)
+    pk_t0 = starts[pk_seq] + (torch.arange(n_packs, device=dev) - first[pk_seq]) * P
+    pk_n = torch.clamp(ends[pk_seq] - pk_t0, max=P)
+    o_j = torch.arange(P, device=dev)
+    live = o_j[None, :] < pk_n[:, None]  # [n_packs, P]
+    tok = torch.where(live, pk_t0[:, None] + o_j[None, :], 0)
+    none = torch.iinfo(torch.int32).max  # sorts after every block id
+    ids = topk[tok].to(torch.int32)  # [n_packs, P, N2, K]
+    ids = torch.where(live[:, :, None, None] & (ids >= 0), ids, none)
+    ids = ids.transpose(1, 2).reshape(n_packs, N2, P * K).sort(-1).values
+    repeat = torch.cat([torch.zeros_like(ids[..., :1], dtype=torch.bool), ids[..., 1:] == ids[..., :-1]], -1)
+    ids = torch.where(repeat, none, ids).sort(-1).values
+    keep = ids != none
+    return {
+        "pk_t0": pk_t0,
+        "pk_n": pk_n.to(torch.int32),
+        "pk_ids": torch.where(keep, ids, -1).contiguous(),
+        "pk_nu": keep.sum(-1, dtype=torch.int32),
+        "n_packs": n_packs,
+    }
+
+
+def _q_launch(topk, cu_q, G, K, bs, heads, pos, dq=False):
+    """Grid size, pack-table kernel arguments, constexprs and warps of the forward / dQ kernels."""
+    tile, warps = _q_tile(G, K, bs, heads, dq)
+    if tile["PACK"] == 1:
+        # the kernels never read the pack table: any int tensor stands in
+        return topk.shape[0], (pos, pos, pos, pos), tile, warps
+    pk = build_pack_table(topk, cu_q, tile["PACK"])
+    return pk["n_packs"], (pk["pk_t0"], pk["pk_n"], pk["pk_ids"], pk["pk_nu"]), tile, warps
+
+
 def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
     _check_dtype(q)
     from . import triton_kernels as kern
@@ -105,12 +181,13 @@ def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
         return out, m, l
     q, k, v, topk = q.contiguous(), k.contiguous(), v.contiguous(), topk.contiguous()
     _, pos, kv0, s2 = _token_meta(cu_q, cu_kv, q.device)
-    block_g = max(16, _next_pow2(G))
-    kern.nsa_fwd_kernel[(T1, N2)](
-        q, k, v, topk, out, m, l, pos, kv0, s2, float(scale),
-        N1=N1, N2=N2, G=G, K=K, BS=bs, BLOCK_BS=_next_pow2(bs), Dqk=Dqk, Dv=Dv, BLOCK_G=block_g,
-        CAUSAL=bool(causal), **_head_blocks(Dqk, Dv), **_dot_args(q),
-        num_warps=4 if block_g <= 16 else 8, num_stages=FWD_STAGES,
+    heads = _head_blocks(Dqk, Dv)
+    n_packs, pk, tile, warps = _q_launch(topk, cu_q, G, K, bs, heads, pos)
+    kern.nsa_fwd_kernel[(n_packs, N2)](
+        q, k, v, topk, out, m, l, pos, kv0, s2, *pk, float(scale),
+        N1=N1, N2=N2, G=G, K=K, BS=bs, BLOCK_BS=_next_pow2(bs), Dqk=Dqk, Dv=Dv, **tile,
+        CAUSAL=bool(causal), **heads, **_dot_args(q), USE_WHILE=_interpreting(),
+        num_warps=warps, num_stages=FWD_STAGES,
     )
     return out, m, l
 
@@ -201,12 +278,12 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     heads = _head_blocks(Dqk, Dv)
     dots = _dot_args(q)
     block_bs = _next_pow2(bs)
-    block_g = max(16, _next_pow2(G))
-    kern.nsa_bwd_dq_kernel[(T1, N2)](
-        q, k, v, out, dout, m, l, delta, topk, dq, pos, kv0, s2, float(scale),
-        N1=N1, N2=N2, G=G, K=K, BS=bs, BLOCK_BS=block_bs, Dqk=Dqk, Dv=Dv, BLOCK_G=block_g,
-        CAUSAL=bool(causal), **heads, **dots,
-        num_warps=4 if block_g <= 16 else 8, num_stages=FWD_STAGES,
+    n_packs, pk, tile, warps = _q_launch(topk, cu_q, G, K, bs, heads, pos, dq=True)
+    kern.nsa_bwd_dq_kernel[(n_packs, N2)](
+        q, k, v, out, dout, m, l, delta, topk, dq, pos, kv0, s2, *pk, float(scale),
+        N1=N1, N2=N2, G=G, K=K, BS=bs, BLOCK_BS=block_bs, Dqk=Dqk, Dv=Dv, **tile,
+        CAUSAL=bool(causal), **heads, **dots, USE_WHILE=_interpreting(),
+        num_warps=warps, num_stages=FWD_STAGES,
     )
 
     ix = build_inverse_index(topk, seq_id, bs, cu_kv, CHUNK)

@@ -36,36 +36,104 @@ def _load_split(p, o_row, m_row, o_d1, m_d1, o_d2, m_d2, D: tl.constexpr, HAS_D2
 
 
 @triton.jit
-def _slot_keys(p_topk, i_k, o_r, s1, kv0, S2, i_n2, N2: tl.constexpr, BS: tl.constexpr, CAUSAL: tl.constexpr):
-    """Slot ``i_k`` of one (token, KV head): the flat key rows of its block and their visibility (spec §2)."""
-    idx = tl.load(p_topk + i_k).to(tl.int64)
+def _block_keys(idx, o_r, s1, kv0, S2, i_n2, N2: tl.constexpr, BS: tl.constexpr, CAUSAL: tl.constexpr):
+    """Block ``idx`` of one sequence: the in-sequence positions and flat key rows of its keys, and which of
+    them a query at position ``s1`` sees (spec §2)."""
     o_p = idx * BS + o_r
     m_k = (idx >= 0) & (o_r < BS) & (o_p < S2)
     if CAUSAL:
         m_k = m_k & (o_p <= s1)
-    return (kv0 + o_p) * N2 + i_n2, m_k
+    return o_p, (kv0 + o_p) * N2 + i_n2, m_k
+
+
+@triton.jit
+def _pack_block(
+    p_ids, i_u, b_tk, o_xs1, s1_last, o_r, kv0, S2, i_n2,
+    N2: tl.constexpr, BS: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """Distinct block ``i_u`` of a token pack. The key mask ``m_k`` is the union over the pack (the last token
+    sees most under causal masking); per tile row, ``m_s`` is what that row sees (its token selected the
+    block, its own causal bound) and ``b_w`` how often its token selected the block (duplicates count)."""
+    idx = tl.load(p_ids + i_u).to(tl.int64)
+    o_p, o_row, m_k = _block_keys(idx, o_r, s1_last, kv0, S2, i_n2, N2, BS, CAUSAL)
+    # [ROWS]
+    b_w = tl.sum((b_tk == idx.to(tl.int32)).to(tl.float32), 1)
+    # [ROWS, BLOCK_BS]
+    m_s = m_k[None, :] & (b_w > 0)[:, None]
+    if CAUSAL:
+        m_s = m_s & (o_p[None, :] <= o_xs1[:, None])
+    return o_row, m_k, m_s, b_w
+
+
+@triton.jit
+def _fwd_step(
+    k, v, o_row, m_k, m_s, b_w, b_q1, b_q2, b_m, b_l, b_acc, o_d1, m_d1, o_d2, m_d2, o_dv, m_dv, scale,
+    Dqk: tl.constexpr, Dv: tl.constexpr, HAS_D2: tl.constexpr, HAS_W: tl.constexpr, DOT: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """One key block of the online softmax. Keys ``m_k`` are loaded; row x sees key r where ``m_s[x, r]``;
+    with HAS_W each row's terms count ``b_w[x]`` times."""
+    # [BLOCK_BS, BLOCK_D1], [BLOCK_BS, BLOCK_D2]
+    b_k1, b_k2 = _load_split(k, o_row, m_k, o_d1, m_d1, o_d2, m_d2, Dqk, HAS_D2, DOT)
+    # [BLOCK_BS, BLOCK_DV]
+    b_v = tl.load(v + o_row[:, None] * Dv + o_dv[None, :], mask=m_k[:, None] & m_dv[None, :], other=0.0).to(DOT)
+    # [ROWS, BLOCK_BS]
+    b_s = _qk(b_q1, b_k1, b_q2, b_k2, HAS_D2, PREC) * scale
+    b_s = tl.where(m_s, b_s, float("-inf"))
+    b_mnew = tl.maximum(b_m, tl.max(b_s, 1))
+    # rows that have seen nothing yet keep -inf; subtract 0 there so exp gives 0, not NaN
+    b_mref = tl.where(b_mnew == float("-inf"), 0.0, b_mnew)
+    b_p = tl.exp(b_s - b_mref[:, None])
+    if HAS_W:
+        b_p = b_p * b_w[:, None]
+    b_alpha = tl.exp(b_m - b_mref)
+    b_l = b_l * b_alpha + tl.sum(b_p, 1)
+    b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(DOT), b_v, input_precision=PREC)
+    return b_mnew, b_l, b_acc
+
+
+@triton.jit
+def _pack_rows(i_p, i_n2, pk_t0, pk_n, tok_pos, tok_kv0, tok_s2, N1: tl.constexpr, G: tl.constexpr,
+               BLOCK_G: tl.constexpr, PACK: tl.constexpr):
+    """The tile rows of a forward / dQ program: row x = (token j = x // BLOCK_G of the pack, head g = x % BLOCK_G).
+    PACK == 1: the pack is token ``i_p``. Returns the pack's first token, its token count, the position of its
+    first token, its sequence's first key row and S2, the rows' flat (token, head) ids, their mask and token j."""
+    if PACK == 1:
+        t0 = i_p
+        n_tok = 1
+    else:
+        t0 = tl.load(pk_t0 + i_p).to(tl.int64)
+        n_tok = tl.load(pk_n + i_p).to(tl.int64)
+    s1 = tl.load(tok_pos + t0).to(tl.int64)
+    kv0 = tl.load(tok_kv0 + t0).to(tl.int64)
+    S2 = tl.load(tok_s2 + t0).to(tl.int64)
+    o_x = tl.arange(0, PACK * BLOCK_G)
+    o_xj = o_x // BLOCK_G
+    o_xg = o_x % BLOCK_G
+    m_x = (o_xg < G) & (o_xj < n_tok)
+    o_h = (t0 + o_xj) * N1 + i_n2 * G + o_xg
+    return t0, n_tok, s1, kv0, S2, o_h, m_x, o_xj
 
 
 @triton.jit
 def nsa_fwd_kernel(
     q, k, v, topk, o, m_out, l_out,
-    tok_pos, tok_kv0, tok_s2,
+    tok_pos, tok_kv0, tok_s2, pk_t0, pk_n, pk_ids, pk_nu,
     scale,
     N1: tl.constexpr, N2: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BS: tl.constexpr, BLOCK_BS: tl.constexpr,
     Dqk: tl.constexpr, Dv: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, HAS_D2: tl.constexpr,
-    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_G: tl.constexpr, PACK: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, HAS_D2: tl.constexpr,
+    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, USE_WHILE: tl.constexpr,
 ):
-    """One program per (query token, KV head): the G heads of the token are the tile rows."""
-    i_t = tl.program_id(0).to(tl.int64)
+    """One program per (pack of PACK consecutive query tokens of one sequence, KV head); the tile rows are the
+    pack's (token, head) pairs. PACK == 1 (G >= 9): the token's K slots in order. PACK > 1: the pack's distinct
+    selected blocks (``pk_ids``, ``pk_nu`` of them), each loaded and multiplied once for all rows."""
+    i_p = tl.program_id(0).to(tl.int64)
     i_n2 = tl.program_id(1).to(tl.int64)
-    s1 = tl.load(tok_pos + i_t).to(tl.int64)
-    kv0 = tl.load(tok_kv0 + i_t).to(tl.int64)
-    S2 = tl.load(tok_s2 + i_t).to(tl.int64)
-
-    o_g = tl.arange(0, BLOCK_G)
-    m_g = o_g < G
-    o_h = i_t * N1 + i_n2 * G + o_g
+    t0, n_tok, s1, kv0, S2, o_h, m_x, o_xj = _pack_rows(i_p, i_n2, pk_t0, pk_n, tok_pos, tok_kv0, tok_s2, N1, G,
+                                                        BLOCK_G, PACK)
+    ROWS: tl.constexpr = PACK * BLOCK_G
     o_r = tl.arange(0, BLOCK_BS)
     o_d1 = tl.arange(0, BLOCK_D1)
     o_dv = tl.arange(0, BLOCK_DV)
@@ -74,62 +142,94 @@ def nsa_fwd_kernel(
 
     o_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
     m_d2 = o_d2 < Dqk
-    # [BLOCK_G, BLOCK_D1], [BLOCK_G, BLOCK_D2]
-    b_q1, b_q2 = _load_split(q, o_h, m_g, o_d1, m_d1, o_d2, m_d2, Dqk, HAS_D2, DOT)
+    # [ROWS, BLOCK_D1], [ROWS, BLOCK_D2]
+    b_q1, b_q2 = _load_split(q, o_h, m_x, o_d1, m_d1, o_d2, m_d2, Dqk, HAS_D2, DOT)
 
-    # [BLOCK_G]
-    b_m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    b_l = tl.zeros([BLOCK_G], dtype=tl.float32)
-    # [BLOCK_G, BLOCK_DV]
-    b_acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
+    # [ROWS]
+    b_m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([ROWS], dtype=tl.float32)
+    # [ROWS, BLOCK_DV]
+    b_acc = tl.zeros([ROWS, BLOCK_DV], dtype=tl.float32)
 
-    p_topk = topk + (i_t * N2 + i_n2) * K
-    for i_k in range(K):
-        o_row, m_k = _slot_keys(p_topk, i_k, o_r, s1, kv0, S2, i_n2, N2, BS, CAUSAL)
-        # [BLOCK_BS, BLOCK_D1], [BLOCK_BS, BLOCK_D2]
-        b_k1, b_k2 = _load_split(k, o_row, m_k, o_d1, m_d1, o_d2, m_d2, Dqk, HAS_D2, DOT)
-        # [BLOCK_BS, BLOCK_DV]
-        b_v = tl.load(v + o_row[:, None] * Dv + o_dv[None, :], mask=m_k[:, None] & m_dv[None, :], other=0.0).to(DOT)
-        # [BLOCK_G, BLOCK_BS]
-        b_s = _qk(b_q1, b_k1, b_q2, b_k2, HAS_D2, PREC) * scale
-        b_s = tl.where(m_k[None, :], b_s, float("-inf"))
-        b_mnew = tl.maximum(b_m, tl.max(b_s, 1))
-        # rows that have seen nothing yet keep -inf; subtract 0 there so exp gives 0, not NaN
-        b_mref = tl.where(b_mnew == float("-inf"), 0.0, b_mnew)
-        b_p = tl.exp(b_s - b_mref[:, None])
-        b_alpha = tl.exp(b_m - b_mref)
-        b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(DOT), b_v, input_precision=PREC)
-        b_m = b_mnew
+    if PACK == 1:
+        p_topk = topk + (t0 * N2 + i_n2) * K
+        for i_k in range(K):
+            idx = tl.load(p_topk + i_k).to(tl.int64)
+            o_p, o_row, m_k = _block_keys(idx, o_r, s1, kv0, S2, i_n2, N2, BS, CAUSAL)
+            # every row sees what the token sees; no multiplicities (b_l stands in for the unused weights)
+            b_m, b_l, b_acc = _fwd_step(k, v, o_row, m_k, m_k[None, :], b_l, b_q1, b_q2, b_m, b_l, b_acc,
+                                        o_d1, m_d1, o_d2, m_d2, o_dv, m_dv, scale, Dqk, Dv, HAS_D2, False, DOT, PREC)
+    else:
+        o_kk = tl.arange(0, BLOCK_K)
+        # [ROWS, BLOCK_K] the selection of each row's token (-2 matches no block)
+        b_tk = tl.load(topk + ((t0 + o_xj) * N2 + i_n2)[:, None] * K + o_kk[None, :],
+                       mask=m_x[:, None] & (o_kk < K)[None, :], other=-2).to(tl.int32)
+        # [ROWS] the position of each row's token
+        o_xs1 = s1 + o_xj
+        s1_last = s1 + n_tok - 1
+        p_ids = pk_ids + (i_p * N2 + i_n2) * (PACK * K)
+        n_u = tl.load(pk_nu + i_p * N2 + i_n2)
+        if USE_WHILE:
+            # the interpreter cannot iterate range() over loaded scalars
+            i_u = 0
+            while i_u < n_u:
+                o_row, m_k, m_s, b_w = _pack_block(p_ids, i_u, b_tk, o_xs1, s1_last, o_r, kv0, S2, i_n2, N2, BS, CAUSAL)
+                b_m, b_l, b_acc = _fwd_step(k, v, o_row, m_k, m_s, b_w, b_q1, b_q2, b_m, b_l, b_acc,
+                                            o_d1, m_d1, o_d2, m_d2, o_dv, m_dv, scale, Dqk, Dv, HAS_D2, True, DOT, PREC)
+                i_u += 1
+        else:
+            for i_u in range(0, n_u):
+                o_row, m_k, m_s, b_w = _pack_block(p_ids, i_u, b_tk, o_xs1, s1_last, o_r, kv0, S2, i_n2, N2, BS, CAUSAL)
+                b_m, b_l, b_acc = _fwd_step(k, v, o_row, m_k, m_s, b_w, b_q1, b_q2, b_m, b_l, b_acc,
+                                            o_d1, m_d1, o_d2, m_d2, o_dv, m_dv, scale, Dqk, Dv, HAS_D2, True, DOT, PREC)
 
     m_any = b_l > 0
     b_out = b_acc / tl.where(m_any, b_l, 1.0)[:, None]
-    tl.store(o + o_h[:, None] * Dv + o_dv[None, :], b_out.to(o.dtype.element_ty), mask=m_g[:, None] & m_dv[None, :])
-    tl.store(m_out + o_h, tl.where(m_any, b_m, 0.0), mask=m_g)
-    tl.store(l_out + o_h, b_l, mask=m_g)
+    tl.store(o + o_h[:, None] * Dv + o_dv[None, :], b_out.to(o.dtype.element_ty), mask=m_x[:, None] & m_dv[None, :])
+    tl.store(m_out + o_h, tl.where(m_any, b_m, 0.0), mask=m_x)
+    tl.store(l_out + o_h, b_l, mask=m_x)
+
+
+@triton.jit
+def _dq_step(
+    k, v, o_row, m_k, m_s, b_f, b_q1, b_q2, b_do, b_m, b_delta, b_dq1, b_dq2, o_d1, m_d1, o_d2, m_d2, o_dv, m_dv,
+    scale, Dqk: tl.constexpr, Dv: tl.constexpr, HAS_D2: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+):
+    """One key block of dQ. ``b_f`` per row: 1/l (0 for a fully masked row) times the row's multiplicity."""
+    # [BLOCK_BS, BLOCK_D1], [BLOCK_BS, BLOCK_D2]
+    b_k1, b_k2 = _load_split(k, o_row, m_k, o_d1, m_d1, o_d2, m_d2, Dqk, HAS_D2, DOT)
+    # [BLOCK_BS, BLOCK_DV]
+    b_v = tl.load(v + o_row[:, None] * Dv + o_dv[None, :], mask=m_k[:, None] & m_dv[None, :], other=0.0).to(DOT)
+    # [ROWS, BLOCK_BS]
+    b_s = _qk(b_q1, b_k1, b_q2, b_k2, HAS_D2, PREC) * scale
+    b_p = tl.where(m_s, tl.exp(b_s - b_m[:, None]) * b_f[:, None], 0.0)
+    # [ROWS, BLOCK_BS]
+    b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
+    b_ds = (b_p * (b_dp - b_delta[:, None])).to(DOT)
+    b_dq1 += tl.dot(b_ds, b_k1, input_precision=PREC)
+    if HAS_D2:
+        b_dq2 += tl.dot(b_ds, b_k2, input_precision=PREC)
+    return b_dq1, b_dq2
 
 
 @triton.jit
 def nsa_bwd_dq_kernel(
     q, k, v, o, do, m_in, l_in, delta, topk, dq,
-    tok_pos, tok_kv0, tok_s2,
+    tok_pos, tok_kv0, tok_s2, pk_t0, pk_n, pk_ids, pk_nu,
     scale,
     N1: tl.constexpr, N2: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BS: tl.constexpr, BLOCK_BS: tl.constexpr,
     Dqk: tl.constexpr, Dv: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, HAS_D2: tl.constexpr,
-    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_G: tl.constexpr, PACK: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, HAS_D2: tl.constexpr,
+    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, USE_WHILE: tl.constexpr,
 ):
-    """dQ, query-major like the forward: one program per (query token, KV head), no atomics.
+    """dQ, query-major with the forward's grid and token packing, no atomics.
     Also writes ``delta = rowsum(dO * O)`` (fp32) for the dK/dV kernel."""
-    i_t = tl.program_id(0).to(tl.int64)
+    i_p = tl.program_id(0).to(tl.int64)
     i_n2 = tl.program_id(1).to(tl.int64)
-    s1 = tl.load(tok_pos + i_t).to(tl.int64)
-    kv0 = tl.load(tok_kv0 + i_t).to(tl.int64)
-    S2 = tl.load(tok_s2 + i_t).to(tl.int64)
-
-    o_g = tl.arange(0, BLOCK_G)
-    m_g = o_g < G
-    o_h = i_t * N1 + i_n2 * G + o_g
+    t0, n_tok, s1, kv0, S2, o_h, m_x, o_xj = _pack_rows(i_p, i_n2, pk_t0, pk_n, tok_pos, tok_kv0, tok_s2, N1, G,
+                                                        BLOCK_G, PACK)
+    ROWS: tl.constexpr = PACK * BLOCK_G
     o_r = tl.arange(0, BLOCK_BS)
     o_d1 = tl.arange(0, BLOCK_D1)
     o_dv = tl.arange(0, BLOCK_DV)
@@ -138,46 +238,59 @@ def nsa_bwd_dq_kernel(
 
     o_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
     m_d2 = o_d2 < Dqk
-    # [BLOCK_G, BLOCK_D1], [BLOCK_G, BLOCK_D2]
-    b_q1, b_q2 = _load_split(q, o_h, m_g, o_d1, m_d1, o_d2, m_d2, Dqk, HAS_D2, DOT)
-    # [BLOCK_G, BLOCK_DV]
-    b_do32 = tl.load(do + o_h[:, None] * Dv + o_dv[None, :], mask=m_g[:, None] & m_dv[None, :], other=0.0).to(tl.float32)
-    b_o32 = tl.load(o + o_h[:, None] * Dv + o_dv[None, :], mask=m_g[:, None] & m_dv[None, :], other=0.0).to(tl.float32)
+    # [ROWS, BLOCK_D1], [ROWS, BLOCK_D2]
+    b_q1, b_q2 = _load_split(q, o_h, m_x, o_d1, m_d1, o_d2, m_d2, Dqk, HAS_D2, DOT)
+    # [ROWS, BLOCK_DV]
+    b_do32 = tl.load(do + o_h[:, None] * Dv + o_dv[None, :], mask=m_x[:, None] & m_dv[None, :], other=0.0).to(tl.float32)
+    b_o32 = tl.load(o + o_h[:, None] * Dv + o_dv[None, :], mask=m_x[:, None] & m_dv[None, :], other=0.0).to(tl.float32)
     b_do = b_do32.to(DOT)
-    # [BLOCK_G]
+    # [ROWS]
     b_delta = tl.sum(b_do32 * b_o32, 1)
-    tl.store(delta + o_h, b_delta, mask=m_g)
-    b_m = tl.load(m_in + o_h, mask=m_g, other=0.0)
-    b_l = tl.load(l_in + o_h, mask=m_g, other=0.0)
+    tl.store(delta + o_h, b_delta, mask=m_x)
+    b_m = tl.load(m_in + o_h, mask=m_x, other=0.0)
+    b_l = tl.load(l_in + o_h, mask=m_x, other=0.0)
     b_il = tl.where(b_l > 0, 1.0 / tl.where(b_l > 0, b_l, 1.0), 0.0)
 
-    # [BLOCK_G, BLOCK_D1]
-    b_dq1 = tl.zeros([BLOCK_G, BLOCK_D1], dtype=tl.float32)
-    # [BLOCK_G, BLOCK_D2]
-    b_dq2 = tl.zeros([BLOCK_G, BLOCK_D2], dtype=tl.float32)
+    # [ROWS, BLOCK_D1]
+    b_dq1 = tl.zeros([ROWS, BLOCK_D1], dtype=tl.float32)
+    # [ROWS, BLOCK_D2]
+    b_dq2 = tl.zeros([ROWS, BLOCK_D2], dtype=tl.float32)
 
-    p_topk = topk + (i_t * N2 + i_n2) * K
-    for i_k in range(K):
-        o_row, m_k = _slot_keys(p_topk, i_k, o_r, s1, kv0, S2, i_n2, N2, BS, CAUSAL)
-        # [BLOCK_BS, BLOCK_D1], [BLOCK_BS, BLOCK_D2]
-        b_k1, b_k2 = _load_split(k, o_row, m_k, o_d1, m_d1, o_d2, m_d2, Dqk, HAS_D2, DOT)
-        # [BLOCK_BS, BLOCK_DV]
-        b_v = tl.load(v + o_row[:, None] * Dv + o_dv[None, :], mask=m_k[:, None] & m_dv[None, :], other=0.0).to(DOT)
-        # [BLOCK_G, BLOCK_BS]
-        b_s = _qk(b_q1, b_k1, b_q2, b_k2, HAS_D2, PREC) * scale
-        b_p = tl.where(m_k[None, :], tl.exp(b_s - b_m[:, None]) * b_il[:, None], 0.0)
-        # [BLOCK_G, BLOCK_BS]
-        b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
-        b_ds = (b_p * (b_dp - b_delta[:, None])).to(DOT)
-        b_dq1 += tl.dot(b_ds, b_k1, input_precision=PREC)
-        if HAS_D2:
-            b_dq2 += tl.dot(b_ds, b_k2, input_precision=PREC)
+    if PACK == 1:
+        p_topk = topk + (t0 * N2 + i_n2) * K
+        for i_k in range(K):
+            idx = tl.load(p_topk + i_k).to(tl.int64)
+            o_p, o_row, m_k = _block_keys(idx, o_r, s1, kv0, S2, i_n2, N2, BS, CAUSAL)
+            b_dq1, b_dq2 = _dq_step(k, v, o_row, m_k, m_k[None, :], b_il, b_q1, b_q2, b_do, b_m, b_delta, b_dq1,
+                                    b_dq2, o_d1, m_d1, o_d2, m_d2, o_dv, m_dv, scale, Dqk, Dv, HAS_D2, DOT, PREC)
+    else:
+        o_kk = tl.arange(0, BLOCK_K)
+        # [ROWS, BLOCK_K] the selection of each row's token (-2 matches no block)
+        b_tk = tl.load(topk + ((t0 + o_xj) * N2 + i_n2)[:, None] * K + o_kk[None, :],
+                       mask=m_x[:, None] & (o_kk < K)[None, :], other=-2).to(tl.int32)
+        # [ROWS] the position of each row's token
+        o_xs1 = s1 + o_xj
+        s1_last = s1 + n_tok - 1
+        p_ids = pk_ids + (i_p * N2 + i_n2) * (PACK * K)
+        n_u = tl.load(pk_nu + i_p * N2 + i_n2)
+        if USE_WHILE:
+            i_u = 0
+            while i_u < n_u:
+                o_row, m_k, m_s, b_w = _pack_block(p_ids, i_u, b_tk, o_xs1, s1_last, o_r, kv0, S2, i_n2, N2, BS, CAUSAL)
+                b_dq1, b_dq2 = _dq_step(k, v, o_row, m_k, m_s, b_il * b_w, b_q1, b_q2, b_do, b_m, b_delta, b_dq1,
+                                        b_dq2, o_d1, m_d1, o_d2, m_d2, o_dv, m_dv, scale, Dqk, Dv, HAS_D2, DOT, PREC)
+                i_u += 1
+        else:
+            for i_u in range(0, n_u):
+                o_row, m_k, m_s, b_w = _pack_block(p_ids, i_u, b_tk, o_xs1, s1_last, o_r, kv0, S2, i_n2, N2, BS, CAUSAL)
+                b_dq1, b_dq2 = _dq_step(k, v, o_row, m_k, m_s, b_il * b_w, b_q1, b_q2, b_do, b_m, b_delta, b_dq1,
+                                        b_dq2, o_d1, m_d1, o_d2, m_d2, o_dv, m_dv, scale, Dqk, Dv, HAS_D2, DOT, PREC)
 
     tl.store(dq + o_h[:, None] * Dqk + o_d1[None, :], (b_dq1 * scale).to(dq.dtype.element_ty),
-             mask=m_g[:, None] & m_d1[None, :])
+             mask=m_x[:, None] & m_d1[None, :])
     if HAS_D2:
         tl.store(dq + o_h[:, None] * Dqk + o_d2[None, :], (b_dq2 * scale).to(dq.dtype.element_ty),
-                 mask=m_g[:, None] & m_d2[None, :])
+                 mask=m_x[:, None] & m_d2[None, :])
 
 
 @triton.jit
