@@ -11,19 +11,22 @@ path is exact to the same tolerances; the sums may add in a different order.
   would specialise on them. Dims equal at the first call share a symbol (dynamo's duck sizing); a later
   call where they differ recompiles once. (Turning duck sizing off avoids that but measured the MoE kernel
   2x slower.)
-- Off when ``SPARSEOPS_COMPILE=0`` is set, while ``torch.compile`` is tracing the caller, and after a
-  failed compile (no C++ compiler, an unsupported platform): a failure is reported once with
-  ``warnings.warn`` and the eager path is used from then on. The kernels write only the output tensors they
-  are given, so a failed attempt leaves nothing half-done that the eager path would not overwrite.
+- Off when ``SPARSEOPS_COMPILE=0`` is set, while ``torch.compile`` is tracing the caller, when dynamo is
+  disabled (``TORCHDYNAMO_DISABLE=1``), and after a failed compile (no C++ compiler, an unsupported
+  platform, dynamo's recompile limit): a failure is reported once with ``warnings.warn`` and the eager path
+  is used from then on for those argument dtypes. The kernels write only the output tensors they are given,
+  so a failed attempt leaves nothing half-done that the eager path would not overwrite.
 """
 
 from __future__ import annotations
 
 import os
+import types
 import warnings
 from collections.abc import Callable
 
 import torch
+import torch._dynamo
 
 
 def enabled() -> bool:
@@ -33,28 +36,45 @@ def enabled() -> bool:
 
 class CompiledKernel:
     """``fn`` compiled with ``torch.compile(dynamic=True)`` on first use; ``__call__`` returns False (and
-    runs nothing) when the compiled kernel is unavailable, so the caller runs its eager code."""
+    runs nothing) when the compiled kernel is unavailable, so the caller runs its eager code.
+
+    Each combination of argument dtypes gets its own copy of ``fn``'s code object, so its own dynamo cache
+    and recompile budget: a process that calls with fp32, bf16 and fp16 tensors (or whose shapes make dynamo
+    recompile a few times) never pushes another dtype's kernel over ``torch._dynamo.config.recompile_limit``.
+    A failure (a compile error, or that limit) is per dtype combination: warned once, then the eager path.
+    """
 
     def __init__(self, fn: Callable[..., None], name: str):
         self.fn = fn
         self.name = name
-        self._compiled = None
+        self._compiled: dict[tuple, Callable[..., None] | None] = {}
         self.failed: str | None = None
         self.calls = 0
 
+    def _compile(self) -> Callable[..., None]:
+        fn = self.fn
+        copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        return torch.compile(copy, dynamic=True, fullgraph=True)
+
     def __call__(self, *args) -> bool:
-        if self.failed is not None or not enabled() or torch.compiler.is_compiling():
+        if not enabled() or torch.compiler.is_compiling() or torch._dynamo.config.disable:
+            return False  # (with dynamo disabled, torch.compile would run fn unfused: full-size temporaries)
+        key = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+        compiled = self._compiled.get(key, False)
+        if compiled is None:
             return False
-        if self._compiled is None:
-            self._compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
+        if compiled is False:
+            compiled = self._compiled[key] = self._compile()
         try:
             with torch.no_grad():
-                self._compiled(*args)
+                compiled(*args)
         except Exception as exc:  # noqa: BLE001 - any compile failure means: use the eager path
+            self._compiled[key] = None
             self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            dtypes = ", ".join(str(d).replace("torch.", "") for d in key)
             warnings.warn(
-                f"sparseops: torch.compile of the CPU kernel {self.name} failed ({self.failed}); "
-                "using the eager PyTorch path from now on",
+                f"sparseops: torch.compile of the CPU kernel {self.name} failed for dtypes ({dtypes}) "
+                f"({self.failed}); using the eager PyTorch path for them from now on",
                 RuntimeWarning,
                 stacklevel=3,
             )

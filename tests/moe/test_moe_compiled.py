@@ -145,7 +145,7 @@ def test_a_failed_compile_warns_once_and_falls_back(monkeypatch):
     monkeypatch.setattr(torch_impl, "_COMPILED_MIN_ELEMENTS", 0)
     T, K, H, rng = 9, 2, 12, None
     g, si, pt, probs = _case(T, K, H, rng, torch.float32, seed=8)
-    with pytest.warns(RuntimeWarning, match="test_kernel failed .*no C\\+\\+ compiler found"):
+    with pytest.warns(RuntimeWarning, match="test_kernel failed for dtypes .*no C\\+\\+ compiler found"):
         got = _seed(g, si, pt, probs, rng, K)
     assert kern.failed == "RuntimeError: no C++ compiler found"
     with warnings.catch_warnings():
@@ -204,3 +204,36 @@ def test_compiled_kernel_under_autograd_and_inference_mode(compiled):
         got = _seed(g, si, pt, probs, rng, K)
     assert compiled.calls == before + 2
     assert torch.equal(got[0], dx)
+
+
+def test_each_dtype_has_its_own_recompile_budget(monkeypatch):
+    """With dynamo's recompile limit at 1, fp32 then bf16 calls both compile: each dtype combination gets its
+    own code object (its own cache), so one dtype never uses up another's budget."""
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    kern = _compile.CompiledKernel(torch_impl._unpermute_grad_fused.fn, "budget_test")
+    monkeypatch.setattr(torch_impl, "_unpermute_grad_fused", kern)
+    monkeypatch.setattr(torch_impl, "_COMPILED_MIN_ELEMENTS", 0)
+    for i, dtype in enumerate((torch.float32, torch.bfloat16)):
+        g, si, pt, probs = _case(11, 2, 24, None, dtype, seed=12)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            got = _seed(g, si, pt, probs, None, 2)
+        assert kern.calls == i + 1 and kern.failed is None
+        want = _seed(g.to(F64), si, pt.to(F64), probs.to(F64), None, 2, backend="reference")
+        assert_close(got[0], want[0], dtype, name="permuted_tokens_grad")
+
+
+def test_disabled_dynamo_keeps_the_eager_path(compiled, monkeypatch):
+    """With dynamo disabled torch.compile would run the kernel's lines unfused (full-size temporaries): the
+    eager chunk loop is used instead."""
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+    g, si, pt, probs = _case(9, 2, 12, None, torch.float32, seed=13)
+    before = compiled.calls
+    got = _seed(g, si, pt, probs, None, 2)
+    assert compiled.calls == before
+    want = _seed(g.to(F64), si, pt.to(F64), probs.to(F64), None, 2, backend="reference")
+    assert_close(got[0], want[0], torch.float32, name="permuted_tokens_grad")
