@@ -57,7 +57,7 @@ class CompiledKernel:
         return torch.compile(copy, dynamic=True, fullgraph=True)
 
     def __call__(self, *args) -> bool:
-        if not enabled() or torch.compiler.is_compiling() or torch._dynamo.config.disable:
+        if not enabled() or torch.compiler.is_compiling() or getattr(torch._dynamo.config, "disable", False):
             return False  # (with dynamo disabled, torch.compile would run fn unfused: full-size temporaries)
         key = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
         compiled = self._compiled.get(key, False)

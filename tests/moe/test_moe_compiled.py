@@ -211,13 +211,12 @@ def test_each_dtype_has_its_own_recompile_budget(monkeypatch):
     own code object (its own cache), so one dtype never uses up another's budget."""
     import torch._dynamo
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     kern = _compile.CompiledKernel(torch_impl._unpermute_grad_fused.fn, "budget_test")
     monkeypatch.setattr(torch_impl, "_unpermute_grad_fused", kern)
     monkeypatch.setattr(torch_impl, "_COMPILED_MIN_ELEMENTS", 0)
     for i, dtype in enumerate((torch.float32, torch.bfloat16)):
         g, si, pt, probs = _case(11, 2, 24, None, dtype, seed=12)
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), torch._dynamo.config.patch(recompile_limit=1):
             warnings.simplefilter("error", RuntimeWarning)
             got = _seed(g, si, pt, probs, None, 2)
         assert kern.calls == i + 1 and kern.failed is None
@@ -225,15 +224,15 @@ def test_each_dtype_has_its_own_recompile_budget(monkeypatch):
         assert_close(got[0], want[0], dtype, name="permuted_tokens_grad")
 
 
-def test_disabled_dynamo_keeps_the_eager_path(compiled, monkeypatch):
+def test_disabled_dynamo_keeps_the_eager_path(compiled):
     """With dynamo disabled torch.compile would run the kernel's lines unfused (full-size temporaries): the
     eager chunk loop is used instead."""
     import torch._dynamo
 
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)
     g, si, pt, probs = _case(9, 2, 12, None, torch.float32, seed=13)
     before = compiled.calls
-    got = _seed(g, si, pt, probs, None, 2)
+    with torch._dynamo.config.patch(disable=True):
+        got = _seed(g, si, pt, probs, None, 2)
     assert compiled.calls == before
     want = _seed(g.to(F64), si, pt.to(F64), probs.to(F64), None, 2, backend="reference")
     assert_close(got[0], want[0], torch.float32, name="permuted_tokens_grad")
