@@ -38,10 +38,11 @@ class CompiledKernel:
     """``fn`` compiled with ``torch.compile(dynamic=True)`` on first use; ``__call__`` returns False (and
     runs nothing) when the compiled kernel is unavailable, so the caller runs its eager code.
 
-    Each combination of argument dtypes gets its own copy of ``fn``'s code object, so its own dynamo cache
-    and recompile budget: a process that calls with fp32, bf16 and fp16 tensors (or whose shapes make dynamo
-    recompile a few times) never pushes another dtype's kernel over ``torch._dynamo.config.recompile_limit``.
-    A failure (a compile error, or that limit) is per dtype combination: warned once, then the eager path.
+    Each combination of argument dtypes and size-1 dims gets its own copy of ``fn``'s code object, so its own
+    dynamo cache and recompile budget: a process that calls with fp32, bf16 and fp16 tensors, or with shapes
+    that dynamo specialises differently, never pushes another combination's kernel over
+    ``torch._dynamo.config.recompile_limit``. A failure (a compile error, or that limit) is per combination:
+    warned once, then the eager path.
     """
 
     def __init__(self, fn: Callable[..., None], name: str):
@@ -59,7 +60,8 @@ class CompiledKernel:
     def __call__(self, *args) -> bool:
         if not enabled() or torch.compiler.is_compiling() or getattr(torch._dynamo.config, "disable", False):
             return False  # (with dynamo disabled, torch.compile would run fn unfused: full-size temporaries)
-        key = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+        # dtypes, and which dims are 1 (dynamo specialises those: a new graph, so a budget of its own)
+        key = tuple((a.dtype, tuple(d == 1 for d in a.shape)) for a in args if isinstance(a, torch.Tensor))
         compiled = self._compiled.get(key, False)
         if compiled is None:
             return False
@@ -71,7 +73,7 @@ class CompiledKernel:
         except Exception as exc:  # noqa: BLE001 - any compile failure means: use the eager path
             self._compiled[key] = None
             self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            dtypes = ", ".join(str(d).replace("torch.", "") for d in key)
+            dtypes = ", ".join(str(d).replace("torch.", "") for d, _ in key)
             warnings.warn(
                 f"sparseops: torch.compile of the CPU kernel {self.name} failed for dtypes ({dtypes}) "
                 f"({self.failed}); using the eager PyTorch path for them from now on",
