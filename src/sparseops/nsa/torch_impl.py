@@ -48,8 +48,9 @@ _NEG_INF = float("-inf")
 
 # The score-matrix elementwise chains, in place. Shapes: ``x [A, G, R, KB]`` scores, ``w [A, 1, R, KB]`` key
 # weight (0 invisible, else the multiplicity), ``m [A, G, R, 1]`` row max. The backward needs no -inf mask:
-# its weight zeroes the invisible keys. (torch.compile of these chains was measured slower on this CPU:
-# inductor stores the probabilities twice and sums them in a second loop.)
+# its weight zeroes the invisible keys. (torch.compile of these chains was measured slower on this CPU: in
+# place, inductor stores the probabilities twice and sums them in a second loop; into a fresh tensor, the
+# fwd+bwd at T = 512 took 60 ms against 53 ms eager on 2 threads.)
 
 
 def _mask_(x, w):
