@@ -47,6 +47,24 @@ def _block_keys(idx, o_r, s1, kv0, S2, i_n2, N2: tl.constexpr, BS: tl.constexpr,
 
 
 @triton.jit
+def _pack_setup(
+    topk, pk_ids, pk_nu, t0, i_p, o_xj, m_x, s1, n_tok, i_n2,
+    N2: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, PACK: tl.constexpr,
+):
+    """What a packed program needs about its pack: each row's token selection ``b_tk [ROWS, BLOCK_K]`` (-2
+    matches no block), each row's token position ``o_xs1 [ROWS]``, the last token's position, the pointer to
+    the pack's distinct block ids and their count."""
+    o_kk = tl.arange(0, BLOCK_K)
+    b_tk = tl.load(topk + ((t0 + o_xj) * N2 + i_n2)[:, None] * K + o_kk[None, :],
+                   mask=m_x[:, None] & (o_kk < K)[None, :], other=-2).to(tl.int32)
+    o_xs1 = s1 + o_xj
+    s1_last = s1 + n_tok - 1
+    p_ids = pk_ids + (i_p * N2 + i_n2) * (PACK * K)
+    n_u = tl.load(pk_nu + i_p * N2 + i_n2)
+    return b_tk, o_xs1, s1_last, p_ids, n_u
+
+
+@triton.jit
 def _pack_block(
     p_ids, i_u, b_tk, o_xs1, s1_last, o_r, kv0, S2, i_n2,
     N2: tl.constexpr, BS: tl.constexpr, CAUSAL: tl.constexpr,
@@ -160,15 +178,8 @@ def nsa_fwd_kernel(
             b_m, b_l, b_acc = _fwd_step(k, v, o_row, m_k, m_k[None, :], b_l, b_q1, b_q2, b_m, b_l, b_acc,
                                         o_d1, m_d1, o_d2, m_d2, o_dv, m_dv, scale, Dqk, Dv, HAS_D2, False, DOT, PREC)
     else:
-        o_kk = tl.arange(0, BLOCK_K)
-        # [ROWS, BLOCK_K] the selection of each row's token (-2 matches no block)
-        b_tk = tl.load(topk + ((t0 + o_xj) * N2 + i_n2)[:, None] * K + o_kk[None, :],
-                       mask=m_x[:, None] & (o_kk < K)[None, :], other=-2).to(tl.int32)
-        # [ROWS] the position of each row's token
-        o_xs1 = s1 + o_xj
-        s1_last = s1 + n_tok - 1
-        p_ids = pk_ids + (i_p * N2 + i_n2) * (PACK * K)
-        n_u = tl.load(pk_nu + i_p * N2 + i_n2)
+        b_tk, o_xs1, s1_last, p_ids, n_u = _pack_setup(topk, pk_ids, pk_nu, t0, i_p, o_xj, m_x, s1, n_tok, i_n2,
+                                                       N2, K, BLOCK_K, PACK)
         if USE_WHILE:
             # the interpreter cannot iterate range() over loaded scalars
             i_u = 0
@@ -264,15 +275,8 @@ def nsa_bwd_dq_kernel(
             b_dq1, b_dq2 = _dq_step(k, v, o_row, m_k, m_k[None, :], b_il, b_q1, b_q2, b_do, b_m, b_delta, b_dq1,
                                     b_dq2, o_d1, m_d1, o_d2, m_d2, o_dv, m_dv, scale, Dqk, Dv, HAS_D2, DOT, PREC)
     else:
-        o_kk = tl.arange(0, BLOCK_K)
-        # [ROWS, BLOCK_K] the selection of each row's token (-2 matches no block)
-        b_tk = tl.load(topk + ((t0 + o_xj) * N2 + i_n2)[:, None] * K + o_kk[None, :],
-                       mask=m_x[:, None] & (o_kk < K)[None, :], other=-2).to(tl.int32)
-        # [ROWS] the position of each row's token
-        o_xs1 = s1 + o_xj
-        s1_last = s1 + n_tok - 1
-        p_ids = pk_ids + (i_p * N2 + i_n2) * (PACK * K)
-        n_u = tl.load(pk_nu + i_p * N2 + i_n2)
+        b_tk, o_xs1, s1_last, p_ids, n_u = _pack_setup(topk, pk_ids, pk_nu, t0, i_p, o_xj, m_x, s1, n_tok, i_n2,
+                                                       N2, K, BLOCK_K, PACK)
         if USE_WHILE:
             i_u = 0
             while i_u < n_u:
