@@ -77,10 +77,12 @@ def test_version_is_a_string():
     assert sparseops.__version__.count(".") >= 1
 
 
-def test_import_does_not_import_triton():
+def test_import_does_not_import_triton_or_dynamo():
+    """Nothing heavy at import time: triton (a GPU stack) and torch._dynamo (seconds; the compiled CPU kernels
+    import it on first use)."""
     code = (
         "import sys, sparseops, sparseops.testing\n"
-        "bad = sorted(m for m in sys.modules if m == 'triton' or m.startswith('triton.'))\n"
+        "bad = sorted(m for m in sys.modules if m in ('triton', 'torch._dynamo') or m.startswith('triton.'))\n"
         "print(repr(bad))\n"
         "sys.exit(1 if bad else 0)\n"
     )
@@ -88,7 +90,7 @@ def test_import_does_not_import_triton():
     env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("TRITON_INTERPRET", None)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 0, f"importing sparseops imported triton: {r.stdout} {r.stderr}"
+    assert r.returncode == 0, f"importing sparseops imported triton or torch._dynamo: {r.stdout} {r.stderr}"
 
 
 @pytest.mark.parametrize("name", [n for n in sorted(sparseops.__all__) if n != "__version__"])

@@ -26,7 +26,6 @@ import warnings
 from collections.abc import Callable
 
 import torch
-import torch._dynamo
 
 
 def enabled() -> bool:
@@ -58,8 +57,12 @@ class CompiledKernel:
         return torch.compile(copy, dynamic=True, fullgraph=True)
 
     def __call__(self, *args) -> bool:
-        if not enabled() or torch.compiler.is_compiling() or getattr(torch._dynamo.config, "disable", False):
-            return False  # (with dynamo disabled, torch.compile would run fn unfused: full-size temporaries)
+        if not enabled() or torch.compiler.is_compiling():
+            return False
+        from torch import _dynamo  # here, not at import time: it takes seconds to import
+
+        if getattr(_dynamo.config, "disable", False):
+            return False  # torch.compile would run fn unfused: full-size temporaries
         # dtypes, and which dims are 1 (dynamo specialises those: a new graph, so a budget of its own)
         key = tuple((a.dtype, tuple(d == 1 for d in a.shape)) for a in args if isinstance(a, torch.Tensor))
         compiled = self._compiled.get(key, False)
@@ -107,5 +110,5 @@ def status() -> str:
         return "off (SPARSEOPS_COMPILE=0): eager PyTorch on the CPU"
     failed = [f"{k.name} ({k.failed})" for k in KERNELS if k.failed]
     if failed:
-        return "eager after a failed compile: " + "; ".join(failed)
+        return "on, but eager for some dtypes after a failed compile: " + "; ".join(failed)
     return "on: torch.compile (inductor) fuses the CPU hot loops on first use; SPARSEOPS_COMPILE=0 turns it off"
