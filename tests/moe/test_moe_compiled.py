@@ -236,3 +236,94 @@ def test_disabled_dynamo_keeps_the_eager_path(compiled):
     assert compiled.calls == before
     want = _seed(g.to(F64), si, pt.to(F64), probs.to(F64), None, 2, backend="reference")
     assert_close(got[0], want[0], torch.float32, name="permuted_tokens_grad")
+
+
+# ---- the k-ordered sums (unpermute, permute_grad) -------------------------------------------------------------
+# K is unrolled in the kernel (one compile per K and dtype): the cases share K in {2, 8, 16} to bound CI time.
+
+KSUM_SHAPES = [
+    pytest.param(7, 2, 33, None, True, id="T7-K2-H33-full-probs"),
+    pytest.param(33, 8, 96, [20, 200], True, id="T33-K8-partial-window"),
+    pytest.param(64, 8, 130, [200, 260], True, id="sparse-window-most-slots-dead"),
+    pytest.param(40, 2, 17, [-70, -10], False, id="no-probs-negative-range"),
+    pytest.param(9, 16, 5, None, True, id="K16-largest-compiled"),
+]
+
+
+@pytest.fixture
+def ksum(monkeypatch):
+    monkeypatch.setattr(torch_impl, "_COMPILED_MIN_ELEMENTS", 0)
+    monkeypatch.delenv("SPARSEOPS_COMPILE", raising=False)
+    return torch_impl._sum_over_k_fused
+
+
+@pytest.mark.parametrize("T,K,H,rng,with_probs", KSUM_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ksum_kernel_matches_float64_reference(ksum, T, K, H, rng, with_probs, dtype):
+    """unpermute (weighted, zero probs skipped) and permute_grad (plain sum) through the compiled kernel."""
+    from sparseops import moe_token_permute_with_ep_grad, moe_token_unpermute_with_ep
+
+    g, si, pt, probs = _case(T, K, H, rng, dtype, zero_probs=True)
+    p = probs if with_probs else None
+    before = ksum.calls
+    out = moe_token_unpermute_with_ep(pt, si, p, K, rng, backend="torch")
+    tg, _ = moe_token_permute_with_ep_grad(pt, si, None, K, rng, backend="torch")
+    assert ksum.failed is None
+    assert ksum.calls == before + 2, "the compiled k-sum was not taken"
+    p64 = None if p is None else p.to(F64)
+    want = moe_token_unpermute_with_ep(pt.to(F64), si, p64, K, rng, backend="reference")
+    want_tg, _ = moe_token_permute_with_ep_grad(pt.to(F64), si, None, K, rng, backend="reference")
+    assert out.dtype == dtype and tg.dtype == dtype
+    assert_close(out, want, dtype, name="unpermuted_tokens")
+    assert_close(tg, want_tg, dtype, name="tokens_grad")
+
+
+def test_ksum_kernel_never_multiplies_dead_or_zero_prob_rows(ksum):
+    """A row that only zero-prob slots point at may hold inf / NaN: the outputs stay finite, as on the
+    reference."""
+    from sparseops import moe_token_unpermute_with_ep
+
+    T, K, H = 20, 2, 40
+    g, si, pt, probs = _case(T, K, H, None, torch.float32, seed=14)
+    probs = probs.clone()
+    probs[3, 1] = 0.0
+    probs[5, 0] = 0.0
+    pt = pt.clone()
+    pt[int(si[3 * K + 1])] = float("inf")
+    pt[int(si[5 * K + 0])] = float("nan")
+    before = ksum.calls
+    got = moe_token_unpermute_with_ep(pt, si, probs, K, backend="torch")
+    assert ksum.calls == before + 1
+    assert torch.isfinite(got).all()
+    assert_close(got, moe_token_unpermute_with_ep(pt, si, probs, K, backend="reference"), torch.float32)
+
+
+def test_ksum_kernel_is_deterministic_and_skips_large_k(ksum):
+    from sparseops import moe_token_unpermute_with_ep
+
+    g, si, pt, probs = _case(30, 8, 64, [10, 200], torch.bfloat16, seed=15)
+    a = moe_token_unpermute_with_ep(pt, si, probs, 8, [10, 200], backend="torch")
+    b = moe_token_unpermute_with_ep(pt, si, probs, 8, [10, 200], backend="torch")
+    assert torch.equal(a, b)
+    g, si, pt, probs = _case(6, 17, 8, None, torch.float32, seed=16)  # K = 17 > _COMPILED_MAX_K: eager
+    before = ksum.calls
+    got = moe_token_unpermute_with_ep(pt, si, probs, 17, backend="torch")
+    assert ksum.calls == before
+    want = moe_token_unpermute_with_ep(pt.to(F64), si, probs.to(F64), 17, backend="reference")
+    assert_close(got, want, torch.float32)
+
+
+def test_ksum_kernel_under_autograd(ksum):
+    """The forward ops' autograd: unpermute's forward and permute's backward both run the k-sum kernel."""
+    T, K, H, rng = 24, 2, 40, [5, 40]
+    d = make_moe_inputs(T, K, H, num_experts=8, dtype=torch.float32, seed=17, distinct_experts=True)
+    t = d["tokens"].clone().requires_grad_()
+    before = ksum.calls
+    pt, si, _ = moe_token_permute_with_ep(t, d["indices"], None, rng, backend="torch")
+    w = torch.randn(pt.shape, generator=torch.Generator().manual_seed(18))
+    (gt,) = torch.autograd.grad((pt * w).sum(), [t])
+    assert ksum.calls == before + 1
+    t64 = d["tokens"].to(F64).requires_grad_()
+    pt64, _, _ = moe_token_permute_with_ep(t64, d["indices"], None, rng, backend="reference")
+    (want,) = torch.autograd.grad((pt64 * w.to(F64)).sum(), [t64])
+    assert_close(gt, want, torch.float32, name="tokens.grad")

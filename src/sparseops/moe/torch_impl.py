@@ -81,8 +81,8 @@ def _empty_rows(n: int, H: int, dtype: torch.dtype, device: torch.device) -> tor
     return out
 
 
-#: the seed op takes its compiled kernel (``_compile``) from this many output elements ``R * H``; below it the
-#: eager ops are about as fast and no compile is worth its seconds
+#: the compiled kernels (``_compile``) are taken from this many output elements (``R * H`` for the seed op,
+#: ``T * H`` for the k-ordered sums); below it the eager ops are about as fast and no compile is worth its seconds
 _COMPILED_MIN_ELEMENTS = 1 << 16
 _COMPILED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -94,6 +94,23 @@ def _unpermute_grad_fused(grad, tok, permuted_tokens, scale, ptg, dots):
     g = grad.index_select(0, tok).float()
     ptg.copy_(g * scale.float()[:, None])
     dots.copy_((g * permuted_tokens.float()).sum(-1))
+
+
+#: the k-ordered sums take their compiled kernel up to this K (the loop over k is unrolled in the kernel)
+_COMPILED_MAX_K = 16
+
+
+@_compile.kernel("moe_sum_over_k")
+def _sum_over_k_fused(src, rows, w, out):
+    """``out[t] = sum_k w[t, k] * src[rows[t, k]]`` over the slots with ``w != 0``, k ascending, in fp32, rounded
+    once: one pass over ``[T, H]`` that reads each token's K rows (the k loop is unrolled)."""
+    acc = None
+    for k in range(rows.shape[1]):
+        wk = w[:, k, None]
+        # a dead slot (w = 0) may point at a row holding inf / NaN: select, never multiply it
+        term = torch.where(wk != 0, src.index_select(0, rows[:, k]).float() * wk, 0.0)
+        acc = term if acc is None else acc + term
+    out.copy_(acc)
 
 
 def _acc_dtype(*ts) -> torch.dtype:
@@ -146,6 +163,18 @@ def _sum_over_k(src, rows, valid, weights, out):
     if weights is not None:
         weights = weights.to(acc_dtype)
         valid = valid & (weights != 0)
+    fusable = (
+        src.device.type == "cpu"
+        and acc_dtype == torch.float32
+        and src.dtype in _COMPILED_DTYPES
+        and K <= _COMPILED_MAX_K
+        and min(T, H, src.shape[0]) >= 2
+        and T * H >= _COMPILED_MIN_ELEMENTS
+    )
+    if fusable:
+        w = valid.to(acc_dtype) if weights is None else torch.where(valid, weights, 0.0)
+        if _sum_over_k_fused(src, rows, w, out):
+            return out
     step = _chunk_rows(H, 4 if acc_dtype == torch.float32 else 8)
     if T * K and int(valid.sum()) < _SPARSE_FRACTION * T * K:
         return _sum_over_live_slots(src, rows, valid, weights, out, acc_dtype, step)
