@@ -144,7 +144,7 @@ def moe_cases(tiny: bool) -> list[MoeCase]:
     """Edges each case covers: full window; a partial EP window given with negative ends; an empty EP window
     (a rank with no tokens); capacity truncation (``num_out_tokens``) with int64 ids and fp32 router probs;
     no probs (plain sums / exact copies) with an odd hidden size; and (not tiny) a shape large enough for the
-    seed op's compiled CPU kernel."""
+    compiled CPU kernels."""
     if tiny:
         T, K, H = 7, 2, 9
     else:
@@ -157,8 +157,9 @@ def moe_cases(tiny: bool) -> list[MoeCase]:
         MoeCase("capacity", T, K, H, num_out_tokens=N - N // 3, probs_dtype=torch.float32, index_dtype=torch.int64),
         MoeCase("no-probs", T + 2, K, H + 24 + 1, probs=False, range=(1, N - 1)),
     ] + ([] if tiny else [
-        # large enough (R * H >= 65,536) for the seed op's compiled CPU kernel; odd H, a window inside the buffer
-        MoeCase("fused-cpu", 257, 4, 130, range=(37, 257 * 4 - 41)),
+        # large enough (T * H, R * H >= 65,536) for the compiled CPU kernels; H not a multiple of the vector
+        # width, a window inside the buffer
+        MoeCase("fused-cpu", 257, 4, 258, range=(37, 257 * 4 - 41)),
     ])
 
 
