@@ -87,6 +87,18 @@ _COMPILED_MIN_ELEMENTS = 1 << 16
 _COMPILED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _fusable(src: torch.Tensor, acc_dtype: torch.dtype, sizes: tuple[int, ...], out_elements: int) -> bool:
+    """Whether a compiled kernel may take the call: CPU, fp32 accumulation, a compiled dtype, no size below 2
+    (inductor would specialise on 0 and 1) and at least :data:`_COMPILED_MIN_ELEMENTS` output elements."""
+    return (
+        src.device.type == "cpu"
+        and acc_dtype == torch.float32
+        and src.dtype in _COMPILED_DTYPES
+        and min(sizes) >= 2
+        and out_elements >= _COMPILED_MIN_ELEMENTS
+    )
+
+
 @_compile.kernel("moe_unpermute_grad")
 def _unpermute_grad_fused(grad, tok, permuted_tokens, scale, ptg, dots):
     """One pass over the window's rows: ``ptg[r] = grad[tok[r]] * scale[r]`` (fp32 math, rounded once) and
@@ -163,15 +175,7 @@ def _sum_over_k(src, rows, valid, weights, out):
     if weights is not None:
         weights = weights.to(acc_dtype)
         valid = valid & (weights != 0)
-    fusable = (
-        src.device.type == "cpu"
-        and acc_dtype == torch.float32
-        and src.dtype in _COMPILED_DTYPES
-        and K <= _COMPILED_MAX_K
-        and min(T, H, src.shape[0]) >= 2
-        and T * H >= _COMPILED_MIN_ELEMENTS
-    )
-    if fusable:
+    if K <= _COMPILED_MAX_K and _fusable(src, acc_dtype, (T, H, src.shape[0]), T * H):
         w = valid.to(acc_dtype) if weights is None else torch.where(valid, weights, 0.0)
         if _sum_over_k_fused(src, rows, w, out):
             return out
@@ -270,14 +274,7 @@ def unpermute_grad(grad, sorted_indices, permuted_tokens, probs, K, s, e):
         scale = row_probs.to(acc_dtype)  # mixed dtypes: multiply in fp32, round once into ptg
     dots = torch.empty(R, dtype=acc_dtype, device=grad.device)
     step = _chunk_rows(H, 4 if acc_dtype == torch.float32 else 8)
-    fusable = (
-        grad.device.type == "cpu"
-        and acc_dtype == torch.float32
-        and grad.dtype == permuted_tokens.dtype
-        and grad.dtype in _COMPILED_DTYPES
-        and min(T, H, R) >= 2
-        and R * H >= _COMPILED_MIN_ELEMENTS
-    )
+    fusable = grad.dtype == permuted_tokens.dtype and _fusable(grad, acc_dtype, (T, H, R), R * H)
     if fusable and _unpermute_grad_fused(grad, tok, permuted_tokens, scale, ptg, dots):
         pass
     elif grad.dtype == acc_dtype and permuted_tokens.dtype == acc_dtype:
