@@ -216,6 +216,52 @@ def test_deterministic_is_bitwise_stable_and_chunked(monkeypatch, chunk):
         assert torch.equal(x, y)
 
 
+DQ_ATOMIC_CASES = [
+    # G = 2, varlen, duplicates (a token listed twice under one block adds its dQ rows twice), -1 slots
+    ("G2-dup", dict(seqs_q=[5, 20], N1=4, N2=2, Dqk=32, Dv=16, bs=16, K=3, duplicates=True, empty_frac=0.2)),
+    # G = 16, 128 + 64 head-dim split, noncausal, an empty sequence, S2 != S1
+    ("G16-split", dict(seqs_q=[4, 0, 3], seqs_kv=[40, 0, 20], N1=16, N2=1, Dqk=192, Dv=128, bs=16, K=2,
+                       causal=False)),
+    # G = 3 (padded rows), bs = 48 (padded tile)
+    ("G3-bs48", dict(seqs_q=[3, 70], N1=6, N2=2, Dqk=16, Dv=24, bs=48, K=2, duplicates=True)),
+]
+
+
+@pytest.mark.parametrize("chunk", [2, 256])
+@pytest.mark.parametrize("kw", [c[1] for c in DQ_ATOMIC_CASES], ids=[c[0] for c in DQ_ATOMIC_CASES])
+def test_dq_atomic_variant(monkeypatch, kw, chunk):
+    """DQ_ATOMIC: dQ from the dK/dV kernel with atomics (the query-major dQ kernel does not run, D comes from its own
+    kernel); the deterministic path ignores the switch."""
+    monkeypatch.setattr(triton_impl, "DQ_ATOMIC", True)
+    monkeypatch.setattr(triton_impl, "CHUNK", chunk)
+    calls = []
+    real = triton_impl.build_pack_table
+    monkeypatch.setattr(triton_impl, "build_pack_table", lambda *a: calls.append(1) or real(*a))
+    c = _case(**kw)
+    out, m, l = _check(c, torch.float32)
+    calls.clear()
+    _bwd(triton_impl, c, out, m, l)
+    assert calls == []  # with G < 16 the query-major dQ kernel would have built a pack table
+    det = _bwd(triton_impl, c, out, m, l, deterministic=True)
+    monkeypatch.setattr(triton_impl, "DQ_ATOMIC", False)
+    for x, y in zip(_bwd(triton_impl, c, out, m, l, deterministic=True), det):
+        assert torch.equal(x, y)
+
+
+def test_dq_atomic_fully_masked_rows_and_no_keys(monkeypatch):
+    """Rows with no visible key get dq = 0 on the atomic path too; no key blocks at all gives zeros."""
+    monkeypatch.setattr(triton_impl, "DQ_ATOMIC", True)
+    topk = torch.tensor([[[-1, -1]], [[1, -1]], [[0, 1]], [[-1, -1]], [[1, 0]]], dtype=torch.int32)
+    c = _case([5], [40], N1=3, N2=1, Dqk=16, Dv=16, bs=16, K=2, topk=topk)
+    out, m, l = _check(c, torch.float32, deterministic_too=False)
+    dq, _, _ = _bwd(triton_impl, c, out, m, l)
+    assert (dq[torch.tensor([0, 1, 3], device=DEVICE)] == 0).all() and torch.isfinite(dq).all()
+    c = _case([3], [0], N1=2, N2=1, Dqk=16, Dv=16, bs=16, K=1, topk=torch.full((3, 1, 1), -1, dtype=torch.int32))
+    out, m, l = _fwd(triton_impl, c)
+    for g, t in zip(_bwd(triton_impl, c, out, m, l), (c["q"], c["k"], c["v"])):
+        assert g.shape == t.shape and g.dtype == t.dtype and (g == 0).all()
+
+
 def test_every_output_element_is_written(monkeypatch):
     """Fresh buffers (outputs, stats, D, workspace) come back NaN-poisoned: a missed store shows up as an error."""
     real_empty, real_empty_like = torch.empty, torch.empty_like

@@ -36,6 +36,10 @@ CHUNK = 256
 DKV_ROWS = 32
 #: tile rows the forward / dQ kernels fill by packing consecutive tokens when G < 16 (mma.sync needs M >= 16)
 PACK_ROWS = 16
+#: default (non-deterministic) backward: compute dQ inside the dK/dV kernel with fp32 atomics instead of the
+#: query-major dQ kernel (saves re-gathering every selected K/V block; costs a [T1, N1, Dqk] fp32 buffer).
+#: Off until measured on a GPU (``benchmarks/gpu_nsa.py --tune`` times both); the deterministic path never uses it.
+DQ_ATOMIC = False
 #: launch settings (sm_90; see docs/nsa.md (GPU section))
 FWD_STAGES = 2
 DKV_WARPS = 8
@@ -278,17 +282,27 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     heads = _head_blocks(Dqk, Dv)
     dots = _dot_args(q)
     block_bs = _next_pow2(bs)
-    n_packs, pk, tile, warps = _q_launch(topk, cu_q, G, K, bs, heads, pos, dq=True)
-    kern.nsa_bwd_dq_kernel[(n_packs, N2)](
-        q, k, v, out, dout, m, l, delta, topk, dq, pos, kv0, s2, *pk, float(scale),
-        N1=N1, N2=N2, G=G, K=K, BS=bs, BLOCK_BS=block_bs, Dqk=Dqk, Dv=Dv, **tile,
-        CAUSAL=bool(causal), **heads, **dots, USE_WHILE=_interpreting(),
-        num_warps=warps, num_stages=FWD_STAGES,
-    )
+    dq_atomic = DQ_ATOMIC and not deterministic
+    if dq_atomic:
+        # dQ comes from the dK/dV kernel; D = rowsum(dY * O) as the dQ kernel would have written it
+        block_dv = max(16, _next_pow2(Dv))
+        block_r = max(1, 4096 // block_dv)
+        kern.nsa_bwd_delta_kernel[(-(-(T1 * N1) // block_r),)](out, dout, delta, T1 * N1, Dv=Dv, BLOCK_R=block_r,
+                                                                BLOCK_DV=block_dv, num_warps=4)
+        dq32 = torch.zeros(q.shape, dtype=torch.float32, device=dev)
+    else:
+        dq32 = delta  # unused stand-in pointer
+        n_packs, pk, tile, warps = _q_launch(topk, cu_q, G, K, bs, heads, pos, dq=True)
+        kern.nsa_bwd_dq_kernel[(n_packs, N2)](
+            q, k, v, out, dout, m, l, delta, topk, dq, pos, kv0, s2, *pk, float(scale),
+            N1=N1, N2=N2, G=G, K=K, BS=bs, BLOCK_BS=block_bs, Dqk=Dqk, Dv=Dv, **tile,
+            CAUSAL=bool(causal), **heads, **dots, USE_WHILE=_interpreting(),
+            num_warps=warps, num_stages=FWD_STAGES,
+        )
 
     ix = build_inverse_index(topk, seq_id, bs, cu_kv, CHUNK)
     if ix["n_blocks"] == 0:
-        return dq, torch.zeros_like(k), torch.zeros_like(v)
+        return dq32.to(q.dtype) if dq_atomic else dq, torch.zeros_like(k), torch.zeros_like(v)
     gk = _next_pow2(G)
     block_e = max(1, DKV_ROWS // gk)
     common = dict(
@@ -301,7 +315,8 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     if deterministic:
         ws_k = torch.empty(n_ch, block_bs, Dqk, dtype=torch.float32, device=dev)
         ws_v = torch.empty(n_ch, block_bs, Dv, dtype=torch.float32, device=dev)
-        kern.nsa_bwd_dkv_kernel[(n_ch,)](*args, ws_k, ws_v, ws_k, ws_v, float(scale), DETERMINISTIC=True, USE_WHILE=_interpreting(), **common)
+        kern.nsa_bwd_dkv_kernel[(n_ch,)](*args, ws_k, ws_v, ws_k, ws_v, ws_k, float(scale), DETERMINISTIC=True,
+                                         DQ_ATOMIC=False, USE_WHILE=_interpreting(), **common)
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
         block_d = 64 if min(Dqk, Dv) >= 64 else 16
@@ -313,5 +328,6 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
         return dq, dk, dv
     dk32 = torch.zeros(k.shape, dtype=torch.float32, device=dev)
     dv32 = torch.zeros(v.shape, dtype=torch.float32, device=dev)
-    kern.nsa_bwd_dkv_kernel[(n_ch,)](*args, dk32, dv32, dk32, dv32, float(scale), DETERMINISTIC=False, USE_WHILE=_interpreting(), **common)
-    return dq, dk32.to(k.dtype), dv32.to(v.dtype)
+    kern.nsa_bwd_dkv_kernel[(n_ch,)](*args, dk32, dv32, dk32, dv32, dq32, float(scale), DETERMINISTIC=False,
+                                     DQ_ATOMIC=dq_atomic, USE_WHILE=_interpreting(), **common)
+    return dq32.to(q.dtype) if dq_atomic else dq, dk32.to(k.dtype), dv32.to(v.dtype)

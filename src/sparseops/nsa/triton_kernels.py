@@ -300,11 +300,12 @@ def nsa_bwd_dq_kernel(
 @triton.jit
 def _dkv_step(
     i_e, e1, q, do, m_in, l_in, delta, ent_tok, tok_pos, p0, i_n2, o_r, m_r, o_xe, o_xg, m_xg,
-    o_d1, m_d1, o_d2, m_d2, o_dv, m_dv, b_k1, b_k2, b_v, b_dk1, b_dk2, b_dv, scale,
+    o_d1, m_d1, o_d2, m_d2, o_dv, m_dv, b_k1, b_k2, b_v, b_dk1, b_dk2, b_dv, dq, scale,
     N1: tl.constexpr, G: tl.constexpr, Dqk: tl.constexpr, Dv: tl.constexpr, HAS_D2: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, DQ_ATOMIC: tl.constexpr,
 ):
-    """One step of the dK/dV kernel: entries [i_e, i_e + BLOCK_E) of the chunk, all heads as tile rows."""
+    """One step of the dK/dV kernel: entries [i_e, i_e + BLOCK_E) of the chunk, all heads as tile rows.
+    DQ_ATOMIC: also add the entries' dQ rows ``scale * dS Kb`` into the fp32 ``dq`` with atomics."""
     o_e = i_e + o_xe
     m_x = (o_e < e1) & m_xg
     o_t = tl.load(ent_tok + o_e, mask=m_x, other=0).to(tl.int64)
@@ -334,6 +335,16 @@ def _dkv_step(
     b_dk1 += tl.dot(b_dst, b_q1, input_precision=PREC)
     if HAS_D2:
         b_dk2 += tl.dot(b_dst, b_q2, input_precision=PREC)
+    if DQ_ATOMIC:
+        # [ROWS, BLOCK_D1]; a token that picked the block twice has two entries: both rows add (spec §2)
+        b_ds = tl.trans(b_dst)
+        b_dq1 = tl.dot(b_ds, b_k1, input_precision=PREC) * scale
+        tl.atomic_add(dq + o_h[:, None] * Dqk + o_d1[None, :], b_dq1, mask=m_x[:, None] & m_d1[None, :], sem="relaxed")
+        if HAS_D2:
+            # [ROWS, BLOCK_D2]
+            b_dq2 = tl.dot(b_ds, b_k2, input_precision=PREC) * scale
+            tl.atomic_add(dq + o_h[:, None] * Dqk + o_d2[None, :], b_dq2, mask=m_x[:, None] & m_d2[None, :],
+                          sem="relaxed")
     return b_dk1, b_dk2, b_dv
 
 
@@ -342,19 +353,20 @@ def nsa_bwd_dkv_kernel(
     q, k, v, do, m_in, l_in, delta,
     ent_tok, ch_blk, ch_e0, ch_e1, blk_row0, blk_p0, blk_n,
     tok_pos,
-    dk, dv, ws_k, ws_v,
+    dk, dv, ws_k, ws_v, dq,
     scale,
     N1: tl.constexpr, N2: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, BLOCK_BS: tl.constexpr,
     Dqk: tl.constexpr, Dv: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, HAS_D2: tl.constexpr,
     BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-    DETERMINISTIC: tl.constexpr, USE_WHILE: tl.constexpr,
+    DETERMINISTIC: tl.constexpr, DQ_ATOMIC: tl.constexpr, USE_WHILE: tl.constexpr,
 ):
     """dK/dV, key-block-major: one program per chunk of the (sorted) list of query tokens that selected
     one key block of one KV head. Each step gathers BLOCK_E such tokens x BLOCK_G heads as tile rows.
     DETERMINISTIC: the chunk's fp32 partial goes to its own workspace slot (reduced in order later);
-    else it is added into the fp32 dk/dv buffers with atomics."""
+    else it is added into the fp32 dk/dv buffers with atomics. DQ_ATOMIC (never with DETERMINISTIC): dQ is
+    computed here too, added per step into the fp32 ``dq`` with atomics (no query-major dQ kernel)."""
     i_c = tl.program_id(0).to(tl.int64)
     i_b = tl.load(ch_blk + i_c).to(tl.int64)
     e0 = tl.load(ch_e0 + i_c).to(tl.int64)
@@ -400,16 +412,16 @@ def nsa_bwd_dkv_kernel(
         while i_e < e1:
             b_dk1, b_dk2, b_dv = _dkv_step(
                 i_e, e1, q, do, m_in, l_in, delta, ent_tok, tok_pos, p0, i_n2, o_r, m_r, o_xe, o_xg, m_xg,
-                o_d1, m_d1, o_d2, m_d2, o_dv, m_dv, b_k1, b_k2, b_v, b_dk1, b_dk2, b_dv, scale,
-                N1, G, Dqk, Dv, HAS_D2, CAUSAL, DOT, PREC,
+                o_d1, m_d1, o_d2, m_d2, o_dv, m_dv, b_k1, b_k2, b_v, b_dk1, b_dk2, b_dv, dq, scale,
+                N1, G, Dqk, Dv, HAS_D2, CAUSAL, DOT, PREC, DQ_ATOMIC,
             )
             i_e += BLOCK_E
     else:
         for i_e in range(e0, e1, BLOCK_E):
             b_dk1, b_dk2, b_dv = _dkv_step(
                 i_e, e1, q, do, m_in, l_in, delta, ent_tok, tok_pos, p0, i_n2, o_r, m_r, o_xe, o_xg, m_xg,
-                o_d1, m_d1, o_d2, m_d2, o_dv, m_dv, b_k1, b_k2, b_v, b_dk1, b_dk2, b_dv, scale,
-                N1, G, Dqk, Dv, HAS_D2, CAUSAL, DOT, PREC,
+                o_d1, m_d1, o_d2, m_d2, o_dv, m_dv, b_k1, b_k2, b_v, b_dk1, b_dk2, b_dv, dq, scale,
+                N1, G, Dqk, Dv, HAS_D2, CAUSAL, DOT, PREC, DQ_ATOMIC,
             )
 
     b_dk1 = b_dk1 * scale
@@ -427,6 +439,19 @@ def nsa_bwd_dkv_kernel(
         if HAS_D2:
             tl.atomic_add(dk + o_krow[:, None] * Dqk + o_d2[None, :], b_dk2, mask=m_st & m_d2[None, :], sem="relaxed")
         tl.atomic_add(dv + o_krow[:, None] * Dv + o_dv[None, :], b_dv, mask=m_st & m_dv[None, :], sem="relaxed")
+
+
+@triton.jit
+def nsa_bwd_delta_kernel(o, do, delta, n_rows, Dv: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """``delta = rowsum(dO * O)`` in fp32 over the flat ``[T1 * N1, Dv]`` rows (when the dQ kernel, which
+    otherwise writes it, does not run)."""
+    o_x = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    o_dv = tl.arange(0, BLOCK_DV)
+    m = (o_x < n_rows)[:, None] & (o_dv < Dv)[None, :]
+    # [BLOCK_R, BLOCK_DV]
+    b_do = tl.load(do + o_x[:, None] * Dv + o_dv[None, :], mask=m, other=0.0).to(tl.float32)
+    b_o = tl.load(o + o_x[:, None] * Dv + o_dv[None, :], mask=m, other=0.0).to(tl.float32)
+    tl.store(delta + o_x, tl.sum(b_do * b_o, 1), mask=o_x < n_rows)
 
 
 @triton.jit
