@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TRITON_VERSION ?= 3.6.0
 
-.PHONY: run test lint check bench clean
+.PHONY: run test lint check bench peers clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ check: $(BIN)/.installed
 
 bench: $(BIN)/.installed
 	$(BIN)/sparseops bench
+
+# the peer and pytest as plain files for the GPU machine, which cannot reach a package index
+# (benchmarks/gpu_nsa_check.sh puts .peers on PYTHONPATH; the device run carries it)
+peers: $(BIN)/.installed
+	$(BIN)/python -m pip install -q --no-deps --target .peers fla-core==0.6.0 einops==0.8.2 pytest==9.2.0 pluggy iniconfig packaging
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache

@@ -106,6 +106,39 @@ def dense_gather(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
     return torch.einsum("tngk,tnkd->tngd", w, vg).reshape(T1, N1, Dv)
 
 
+def traffic(q, topk, vis, bs, Dv, cu):
+    """Bytes the kernels must move (docs/nsa.md, GPU section, "What bounds the kernels").
+
+    ``*_gather_bytes``: the selected K/V rows the query-major kernels (forward, dQ) load, one
+    ``(Dqk + Dv)``-wide row per visible (token, KV head, key): the traffic that sets their speed, served
+    from L2 where programs running at the same time share blocks, else from HBM. ``*_io_bytes``: every
+    tensor read or written once (the floor no design avoids)."""
+    T1, N1, Dqk = q.shape
+    N2 = topk.shape[1]
+    G = N1 // N2
+    b = q.element_size()
+    T2 = cu[-1]
+    entries = int((topk >= 0).sum())  # (token, KV head, slot) with a block
+    kv = T2 * N2 * (Dqk + Dv) * b
+    rows = T1 * N1
+    gather = vis * (Dqk + Dv) * b
+    return {
+        "fwd_gather_bytes": gather,
+        "fwd_io_bytes": rows * (Dqk + Dv) * b + kv + rows * 8,
+        # dQ pass: the same gather; dK/dV pass: q and dO rows of every entry's G heads, and K/V once per block
+        "bwd_gather_bytes": gather + entries * G * (Dqk + Dv) * b + kv,
+        "bwd_io_bytes": rows * (2 * Dqk + 2 * Dv) * b + 2 * kv + rows * 8,
+    }
+
+
+def copy_gbps(device, smoke):
+    """Device copy bandwidth (read + write bytes / time) of a 1 GiB clone, in GB/s."""
+    n = (1 << 16) if smoke else (1 << 28)
+    x = torch.empty(n, dtype=torch.float32, device=device)
+    ms = bench(lambda: x.clone(), smoke)
+    return 2 * 4 * n / ms / 1e6
+
+
 # ------------------------------------------------------------------------------------------------------------
 # correctness gate
 # ------------------------------------------------------------------------------------------------------------
@@ -196,24 +229,23 @@ def fla_runner(q, k, v, topk, bs, cu, scale, ref_out=None):
     G = N1 // N2
     if G < 16 or G & (G - 1):
         return f"cannot run: fla needs G a power of two >= 16, got {G}"
-    T1 = q.shape[0]
     cu_t = torch.tensor(cu, dtype=torch.int64, device=q.device)
     qq, kk, vv = (t.detach()[None].requires_grad_(True) for t in (q, k, v))
     bi = topk.to(torch.int64)[None]
-    counts = (topk >= 0).sum(-1).to(torch.int64)[None]
-    gate = torch.ones(1, T1, N1, device=q.device, dtype=q.dtype)
-    kw = dict(g_slc=gate, g_swa=None, block_indices=bi, block_counts=counts, block_size=bs, scale=scale,
-              cu_seqlens=cu_t)
-    try:  # newer fla-core has a g_cmp gate before g_slc; older releases do not
-        import inspect
+    K = topk.shape[2]
+    try:
+        # the selected-attention kernels alone: parallel_nsa would add mean-pooled compressed keys and a gate
+        # multiply that are not part of this op. block_counts = K: fla skips -1 slots itself.
+        from fla.ops.nsa.parallel import ParallelNSAFunction  # type: ignore
 
-        if "g_cmp" in inspect.signature(parallel_nsa).parameters:
-            kw["g_cmp"] = None
-    except (TypeError, ValueError):
-        pass
+        def fwd():
+            return ParallelNSAFunction.apply(qq, kk, vv, bi, K, bs, scale, cu_t)
+    except ImportError:
+        kw = dict(g_slc=None, g_swa=None, block_indices=bi, block_counts=K, block_size=bs, scale=scale,
+                  cu_seqlens=cu_t)
 
-    def fwd():
-        return parallel_nsa(qq, kk, vv, **kw)
+        def fwd():
+            return parallel_nsa(qq, kk, vv, **kw)
 
     try:
         o = fwd()
@@ -222,6 +254,7 @@ def fla_runner(q, k, v, topk, bs, cu, scale, ref_out=None):
     except Exception as e:  # noqa: BLE001
         return f"failed: {type(e).__name__}: {str(e)[:160]}"
     o = fwd()
+    err = None
     if ref_out is not None:
         err = testing.rel_rms_error(o[0].float(), ref_out.float())
         print(f"  fla parallel_nsa output vs ours: relative RMS {err:.2e}", flush=True)
@@ -231,7 +264,7 @@ def fla_runner(q, k, v, topk, bs, cu, scale, ref_out=None):
             t.grad = None
         o.backward(do, retain_graph=True)
 
-    return fwd, bwd
+    return fwd, bwd, err
 
 
 def run_row(device, T, G, dtype, smoke, cfg):
@@ -244,7 +277,7 @@ def run_row(device, T, G, dtype, smoke, cfg):
     out, m, l = triton_impl.forward(q, k, v, topk, sc, bs, cu, cu, True)
     dout = torch.randn_like(out)
     row = {"T": T, "G": G, "N2": N2, "Dqk": Dqk, "Dv": Dv, "bs": bs, "K": K, "visible_pairs": vis,
-           "fwd_flop": fwd_flop, "bwd_flop": bwd_flop}
+           "fwd_flop": fwd_flop, "bwd_flop": bwd_flop, **traffic(q, topk, vis, bs, Dv, cu)}
     row["fwd_ms"] = bench(lambda: triton_impl.forward(q, k, v, topk, sc, bs, cu, cu, True), smoke)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -262,6 +295,7 @@ def run_row(device, T, G, dtype, smoke, cfg):
         row["fla"] = fla
     else:
         row["fla"] = "ok"
+        row["fla_out_rel_rms_vs_ours"] = fla[2]
         row["fla_fwd_ms"] = bench(fla[0], smoke)
         row["fla_bwd_ms"] = bench(fla[1], smoke)
     return row
@@ -291,7 +325,7 @@ def compile_check(Gs=(1, 4, 16, 32), cfg=None):
     hb = triton_impl._head_blocks(Dqk, Dv)
     i32, i64, f32, bf = "*i32", "*i64", "*fp32", "*bf16"
 
-    def one(fn, ptrs, consts, num_warps):
+    def one(fn, ptrs, consts, num_warps, label=""):
         sig = {n: ("constexpr" if n in consts else ptrs.get(n, "fp32")) for n in fn.arg_names}
         attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
         src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()}, attrs=attrs)
@@ -301,7 +335,7 @@ def compile_check(Gs=(1, 4, 16, 32), cfg=None):
             f.flush()
             res = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
         use = " ".join(w for line in res.splitlines() if "REG" in line for w in line.split() if w[:4] in ("REG:", "STAC"))
-        print(f"  {fn.__name__:<24} warps={num_warps} smem={c.metadata.shared:>6} {use}", flush=True)
+        print(f"  {fn.__name__ + label:<34} warps={num_warps} smem={c.metadata.shared:>6} {use}", flush=True)
 
     for G in Gs:
         print(f"G={G}:")
@@ -318,19 +352,20 @@ def compile_check(Gs=(1, 4, 16, 32), cfg=None):
         one(kern.nsa_bwd_dq_kernel, {**dict.fromkeys("q k v o do dq".split(), bf),
                                      **dict.fromkeys("m_in l_in delta".split(), f32), **meta}, qk,
             triton_impl._q_tile(G, K, BS, hb, dq=True)[1])
-        for det in (False, True):
+        for det, dqa, label in ((False, False, " (atomic)"), (True, False, " (determ.)"), (False, True, " (+dQ)")):
             one(kern.nsa_bwd_dkv_kernel, {**dict.fromkeys("q k v do".split(), bf),
-                                          **dict.fromkeys("m_in l_in delta dk dv ws_k ws_v".split(), f32),
+                                          **dict.fromkeys("m_in l_in delta dk dv ws_k ws_v dq".split(), f32),
                                           "ent_tok": i32, "ch_blk": i64, "ch_e0": i64, "ch_e1": i64, "blk_row0": i64,
                                           "blk_p0": i32, "blk_n": i32, "tok_pos": i32},
                 {**common, "BLOCK_G": gk, "BLOCK_E": max(1, triton_impl.DKV_ROWS // gk), "DETERMINISTIC": det,
-                 "USE_WHILE": False}, triton_impl._dkv_warps(BS, hb))
+                 "DQ_ATOMIC": dqa, "USE_WHILE": False}, triton_impl._dkv_warps(BS, hb), label)
+    one(kern.nsa_bwd_delta_kernel, {"o": bf, "do": bf, "delta": f32}, dict(Dv=Dv, BLOCK_R=32, BLOCK_DV=128), 4)
     one(kern.nsa_bwd_reduce_kernel, {"ws_k": f32, "ws_v": f32, "blk_c0": i64, "blk_c1": i64, "blk_row0": i64,
                                      "blk_n": i32, "dk": bf, "dv": bf},
         dict(N2=N2, BS=BS, BLOCK_BS=triton_impl._next_pow2(BS), Dqk=Dqk, Dv=Dv, BLOCK_D=64), 4)
 
 
-def tune(device, cfg, smoke=False):
+def tune(device, cfg, smoke=False, on_step=None):
     """Time forward / backward variants of the module-level launch settings at T = 32K, G = 16."""
     N2, Dqk, Dv, bs, K = cfg["N2"], cfg["Dqk"], cfg["Dv"], cfg["bs"], cfg["K"]
     q, k, v, topk, cu = make_inputs([48 if smoke else 32768], N2=N2, G=2 if smoke else 16, Dqk=Dqk, Dv=Dv, bs=bs,
@@ -338,10 +373,13 @@ def tune(device, cfg, smoke=False):
     sc = 1.0 / math.sqrt(Dqk)
     out, m, l = triton_impl.forward(q, k, v, topk, sc, bs, cu, cu, True)
     dout = torch.randn_like(out)
-    names = ("FWD_STAGES", "DKV_ROWS", "DKV_WARPS", "DKV_STAGES", "CHUNK")
+    names = ("FWD_STAGES", "DKV_ROWS", "DKV_WARPS", "DKV_STAGES", "CHUNK", "DQ_ATOMIC")
     base = {n: getattr(triton_impl, n) for n in names}
-    variants = [{}, {"DKV_ROWS": 64}, {"CHUNK": 64}] if smoke else [{}, {"FWD_STAGES": 3}, {"FWD_STAGES": 1}, {"DKV_ROWS": 16}, {"DKV_ROWS": 64},
-                {"DKV_STAGES": 3}, {"DKV_STAGES": 1}, {"CHUNK": 64}, {"CHUNK": 1024}, {"DKV_WARPS": 4}]
+    # most telling first: a run cut short by its time limit keeps the variants it finished
+    variants = [{}, {"DKV_ROWS": 64}, {"DQ_ATOMIC": True}, {"CHUNK": 64}] if smoke else [
+        {}, {"DQ_ATOMIC": True}, {"DKV_ROWS": 64}, {"DQ_ATOMIC": True, "DKV_ROWS": 16}, {"FWD_STAGES": 3},
+        {"FWD_STAGES": 1}, {"DKV_ROWS": 16}, {"DKV_STAGES": 3}, {"DKV_STAGES": 1}, {"CHUNK": 64}, {"CHUNK": 1024},
+        {"DKV_WARPS": 4}]
     res = []
     for var in variants:
         try:
@@ -356,6 +394,8 @@ def tune(device, cfg, smoke=False):
         except Exception as e:  # noqa: BLE001
             print(f"tune {var} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             res.append({**var, "error": f"{type(e).__name__}: {e}"})
+        if on_step is not None:
+            on_step(res)
     for n, val in base.items():
         setattr(triton_impl, n, val)
     return res
@@ -387,6 +427,20 @@ def main():
     import triton
 
     t0 = time.time()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit(), "smoke": smoke,
+        "chunk": triton_impl.CHUNK, "dq_atomic": triton_impl.DQ_ATOMIC,
+    }
+    res = {"meta": meta, "rows": [], "tune": None}
+
+    def save(stage):
+        # written after every stage, so a run cut short by its time limit still leaves what it measured
+        meta["stage"], meta["wall_s"] = stage, time.time() - t0
+        out.write_text(json.dumps(res, indent=1))
+
     print("correctness: tiny shape vs float64 reference ...", flush=True)
     check_reference(device)
     if smoke:
@@ -394,10 +448,12 @@ def main():
     else:
         check_dense(device, 1024, 16, torch.bfloat16, **{k: PAPER[k] for k in ("Dqk", "Dv", "bs", "K", "N2")})
         check_dense(device, 512, 1, torch.bfloat16, **{k: PAPER[k] for k in ("Dqk", "Dv", "bs", "K", "N2")})
+    meta["correct"] = True
     print(f"correctness ok ({time.time() - t0:.1f}s)", flush=True)
 
-    mm = matmul_tflops(device, smoke)
-    print(f"bf16 matmul 8192^3: {mm:.1f} TFLOP/s", flush=True)
+    mm = meta["matmul_tflops"] = matmul_tflops(device, smoke)
+    bw = meta["copy_gbps"] = copy_gbps(device, smoke)
+    print(f"bf16 matmul 8192^3: {mm:.1f} TFLOP/s; device copy (1 GiB clone): {bw:.0f} GB/s", flush=True)
     if smoke:
         cfg = dict(N2=2, Dqk=32, Dv=16, bs=16, K=2)
         rows_todo = [(48, 2), (48, 1)]
@@ -407,7 +463,9 @@ def main():
         Ts = [8192, 32768] if args.quick else [8192, 32768, 65536]
         rows_todo = [(T, 16) for T in Ts] + [(32768 if not args.quick else 8192, g) for g in (1, 4)]
         dtype = torch.bfloat16
-    rows = []
+    meta["config"], meta["dtype"] = cfg, str(dtype)
+    save("correct")
+    rows = res["rows"]
     for T, G in rows_todo:
         try:
             r = run_row(device, T, G, dtype, smoke, cfg)
@@ -415,24 +473,32 @@ def main():
             traceback.print_exc()
             print(f"row T={T} G={G} failed: {type(e).__name__}: {e}", flush=True)
             rows.append({"T": T, "G": G, "error": f"{type(e).__name__}: {e}"})
+            save(f"row T={T} G={G}")
             continue
-        r["fwd_tflops"] = r["fwd_flop"] / r["fwd_ms"] / 1e9
-        r["bwd_tflops"] = r["bwd_flop"] / r["bwd_ms"] / 1e9
-        r["bwd_det_tflops"] = r["bwd_flop"] / r["bwd_det_ms"] / 1e9
+        for p in ("fwd", "bwd", "bwd_det"):
+            r[f"{p}_tflops"] = r[f"{p.split('_')[0]}_flop"] / r[f"{p}_ms"] / 1e9
         r["fwd_pct_matmul"] = 100 * r["fwd_tflops"] / mm
         r["bwd_pct_matmul"] = 100 * r["bwd_tflops"] / mm
         r["det_over_default"] = r["bwd_det_ms"] / r["bwd_ms"]
+        # gathered bytes per second, and as a multiple of the device copy bandwidth (> 1: L2 serves reuse)
+        r["fwd_gather_gbps"] = r["fwd_gather_bytes"] / r["fwd_ms"] / 1e6
+        r["bwd_gather_gbps"] = r["bwd_gather_bytes"] / r["bwd_ms"] / 1e6
+        r["fwd_gather_x_copy"] = r["fwd_gather_gbps"] / bw
+        r["bwd_gather_x_copy"] = r["bwd_gather_gbps"] / bw
         if "fla_bwd_ms" in r:
             r["bwd_speedup_vs_fla"] = r["fla_bwd_ms"] / r["bwd_ms"]
+            r["fwd_speedup_vs_fla"] = r["fla_fwd_ms"] / r["fwd_ms"]
         rows.append(r)
+        save(f"row T={T} G={G}")
         print(f"row T={T} G={G}: fwd {r['fwd_ms']:.3f} ms, bwd {r['bwd_ms']:.3f} ms, det {r['bwd_det_ms']:.3f} ms",
               flush=True)
 
-    hdr = (f"{'T':>6} {'G':>3} | {'fwd ms':>8} {'TF/s':>6} {'%mm':>5} | {'bwd ms':>8} {'TF/s':>6} {'%mm':>5} | "
-           f"{'det ms':>8} {'det/def':>7} | fla")
+    hdr = (f"{'T':>6} {'G':>3} | {'fwd ms':>8} {'TF/s':>6} {'%mm':>5} {'xcopy':>5} | {'bwd ms':>8} {'TF/s':>6} "
+           f"{'%mm':>5} {'xcopy':>5} | {'det ms':>8} {'det/def':>7} | fla")
     print()
     print(f"NSA selected attention, N2={cfg['N2']} Dqk={cfg['Dqk']} Dv={cfg['Dv']} bs={cfg['bs']} K={cfg['K']}, "
-          f"causal, {str(dtype).replace('torch.', '')}; matmul {mm:.1f} TFLOP/s; FLOPs on visible keys")
+          f"causal, {str(dtype).replace('torch.', '')}; matmul {mm:.1f} TFLOP/s, copy {bw:.0f} GB/s; FLOPs on "
+          "visible keys; xcopy = gathered K/V bytes per second / copy bandwidth")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -440,21 +506,16 @@ def main():
             print(f"{r['T']:>6} {r['G']:>3} | failed: {r['error'][:80]}")
             continue
         fla = r["fla"] if "fla_bwd_ms" not in r else (
-            f"fwd {r['fla_fwd_ms']:.3f} ms, bwd {r['fla_bwd_ms']:.3f} ms (bwd x{r['bwd_speedup_vs_fla']:.2f})")
-        print(f"{r['T']:>6} {r['G']:>3} | {r['fwd_ms']:>8.3f} {r['fwd_tflops']:>6.1f} {r['fwd_pct_matmul']:>5.1f} | "
-              f"{r['bwd_ms']:>8.3f} {r['bwd_tflops']:>6.1f} {r['bwd_pct_matmul']:>5.1f} | "
+            f"fwd {r['fla_fwd_ms']:.3f} ms (x{r['fwd_speedup_vs_fla']:.2f}), bwd {r['fla_bwd_ms']:.3f} ms "
+            f"(x{r['bwd_speedup_vs_fla']:.2f})")
+        print(f"{r['T']:>6} {r['G']:>3} | {r['fwd_ms']:>8.3f} {r['fwd_tflops']:>6.1f} {r['fwd_pct_matmul']:>5.1f} "
+              f"{r['fwd_gather_x_copy']:>5.2f} | {r['bwd_ms']:>8.3f} {r['bwd_tflops']:>6.1f} "
+              f"{r['bwd_pct_matmul']:>5.1f} {r['bwd_gather_x_copy']:>5.2f} | "
               f"{r['bwd_det_ms']:>8.3f} {r['det_over_default']:>7.2f} | {fla}")
 
-    tuned = tune(device, cfg, smoke) if args.tune else None
-    meta = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit(),
-        "smoke": smoke, "matmul_tflops": mm, "config": cfg, "dtype": str(dtype), "chunk": triton_impl.CHUNK,
-        "wall_s": time.time() - t0,
-    }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": rows, "tune": tuned}, indent=1))
+    if args.tune:
+        res["tune"] = tune(device, cfg, smoke, lambda t: (res.__setitem__("tune", t), save("tune")))
+    save("done")
     print(f"\nwrote {out} ({time.time() - t0:.0f}s)")
 
 

@@ -96,3 +96,23 @@ def test_median_time_runs_at_least_min_runs(n):
     calls = []
     t = _common.median_time(lambda: calls.append(1), warmup=1, min_runs=n, max_runs=n, budget_s=0.0)
     assert t["runs"] == n and len(calls) == n + 1 and t["median_s"] >= 0
+
+
+def test_gpu_nsa_cpu_smoke(tmp_path):
+    """The GPU benchmark's one-shot device run, rehearsed on the CPU under the Triton interpreter (its own
+    process): correctness gate, rows with the byte model, tune variants, and the JSON written stage by stage."""
+    pytest.importorskip("triton")
+    import subprocess
+
+    out = tmp_path / "gpu_nsa.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_nsa.py"), "--cpu-smoke", "--tune", "--out",
+                        str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    d = json.loads(out.read_text())
+    assert d["meta"]["stage"] == "done" and d["meta"]["correct"] and d["meta"]["copy_gbps"] > 0
+    assert [(x["T"], x["G"]) for x in d["rows"]] == [(48, 2), (48, 1)]
+    for x in d["rows"]:
+        # the byte model: every visible key row gathered once per (token, KV head) in fp32
+        assert x["fwd_gather_bytes"] == x["visible_pairs"] * (x["Dqk"] + x["Dv"]) * 4
+        assert x["bwd_gather_bytes"] > x["fwd_gather_bytes"] > 0 and x["fwd_gather_gbps"] > 0
+    assert any(v.get("DQ_ATOMIC") for v in d["tune"]) and not any("error" in v for v in d["tune"])
