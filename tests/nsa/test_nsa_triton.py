@@ -68,6 +68,15 @@ def _check(c, dtype, deterministic_too=True):
     return out, m, l
 
 
+def _sparse_topk(K, tokens, N2=1):
+    """[T1, N2, K] int32 block ids, -1 except ``{slot: id}`` per token (the same on every KV head)."""
+    t = torch.full((len(tokens), N2, K), -1, dtype=torch.int32)
+    for i, slots in enumerate(tokens):
+        for j, b in slots.items():
+            t[i, :, j] = b
+    return t
+
+
 CASES = [
     # id, make_nsa_inputs arguments
     ("varlen-causal-G2", dict(seqs_q=[5, 20], N1=4, N2=2, Dqk=32, Dv=16, bs=16, K=2)),
@@ -82,6 +91,11 @@ CASES = [
     ("G32", dict(seqs_q=[4, 3], N1=32, N2=1, Dqk=16, Dv=16, bs=16, K=2)),
     # the paper's head dims (192 = 128 + 64, Dv = 128), G = 4, tiny T
     ("paper-dims", dict(seqs_q=[4, 3], seqs_kv=[40, 20], N1=4, N2=1, Dqk=192, Dv=128, bs=16, K=2, causal=False)),
+    # the documented limits at once: Dqk = Dv = 256, bs = 128, K = 128, G = 32; ids in the first and last slots,
+    # a block picked twice, the partial last block (300 = 2 * 128 + 44), the rest -1
+    ("limits", dict(seqs_q=[3, 2], seqs_kv=[300, 130], N1=32, N2=1, Dqk=256, Dv=256, bs=128, K=128,
+                    causal=False, topk=_sparse_topk(128, [{0: 0, 127: 2}, {5: 1, 64: 1}, {126: 2, 3: 0},
+                                                          {0: 1, 127: 0}, {50: 0, 51: 0, 52: 1}]))),
 ]
 
 
