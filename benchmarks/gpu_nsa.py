@@ -381,16 +381,23 @@ def tune(device, cfg, smoke=False, on_step=None):
         {"FWD_STAGES": 1}, {"DKV_ROWS": 16}, {"DKV_STAGES": 3}, {"DKV_STAGES": 1}, {"CHUNK": 64}, {"CHUNK": 1024},
         {"DKV_WARPS": 4}]
     res = []
+    ref = None
     for var in variants:
         try:
             for n, val in {**base, **var}.items():
                 setattr(triton_impl, n, val)
+            # each variant's results against the base settings' (a wrong variant must not look fast)
+            got = (*triton_impl.forward(q, k, v, topk, sc, bs, cu, cu, True)[:1],
+                   *triton_impl.backward(q, k, v, out, dout, m, l, topk, sc, bs, cu, cu, True))
+            ref = got if ref is None else ref
+            err = max(testing.rel_rms_error(x.float(), y.float()) for x, y in zip(got, ref))
             f = bench(lambda: triton_impl.forward(q, k, v, topk, sc, bs, cu, cu, True), smoke)
             b = bench(lambda: triton_impl.backward(q, k, v, out, dout, m, l, topk, sc, bs, cu, cu, True), smoke)
             d = bench(lambda: triton_impl.backward(q, k, v, out, dout, m, l, topk, sc, bs, cu, cu, True,
                                                    deterministic=True), smoke)
-            res.append({**var, "fwd_ms": f, "bwd_ms": b, "bwd_det_ms": d})
-            print(f"tune {var or 'base'}: fwd {f:.3f} ms, bwd {b:.3f} ms, det {d:.3f} ms", flush=True)
+            res.append({**var, "fwd_ms": f, "bwd_ms": b, "bwd_det_ms": d, "rel_rms_vs_base": err})
+            print(f"tune {var or 'base'}: fwd {f:.3f} ms, bwd {b:.3f} ms, det {d:.3f} ms "
+                  f"(out/dq/dk/dv vs base: rel. RMS <= {err:.1e})", flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"tune {var} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             res.append({**var, "error": f"{type(e).__name__}: {e}"})
@@ -398,6 +405,35 @@ def tune(device, cfg, smoke=False, on_step=None):
             on_step(res)
     for n, val in base.items():
         setattr(triton_impl, n, val)
+    # token packing at G = 16 (PACK_ROWS 32, 64: 2 or 4 tokens per tile). With uniformly drawn ids neighbours
+    # rarely share a block and packing can only lose; here every 64-token query block shares its first
+    # token's selection (causally valid for the later tokens), the case where a shared block loads once.
+    T = topk.shape[0]
+    first = torch.arange(T, device=topk.device) // 64 * 64
+    topk_s = topk[first].contiguous()
+    out_s, m_s, l_s = triton_impl.forward(q, k, v, topk_s, sc, bs, cu, cu, True)
+    ref, pack_rows = None, triton_impl.PACK_ROWS
+    for rows in (16, 32, 64):
+        var = {"PACK_ROWS": rows, "selection": "shared per 64-token query block"}
+        try:
+            triton_impl.PACK_ROWS = rows
+            got = (*triton_impl.forward(q, k, v, topk_s, sc, bs, cu, cu, True)[:1],
+                   *triton_impl.backward(q, k, v, out_s, dout, m_s, l_s, topk_s, sc, bs, cu, cu, True))
+            ref = got if ref is None else ref
+            err = max(testing.rel_rms_error(x.float(), y.float()) for x, y in zip(got, ref))
+            f = bench(lambda: triton_impl.forward(q, k, v, topk_s, sc, bs, cu, cu, True), smoke)
+            b = bench(lambda: triton_impl.backward(q, k, v, out_s, dout, m_s, l_s, topk_s, sc, bs, cu, cu, True),
+                      smoke)
+            res.append({**var, "fwd_ms": f, "bwd_ms": b, "rel_rms_vs_base": err})
+            print(f"tune {var}: fwd {f:.3f} ms, bwd {b:.3f} ms (vs PACK_ROWS=16: rel. RMS <= {err:.1e})",
+                  flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"tune {var} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            res.append({**var, "error": f"{type(e).__name__}: {e}"})
+        finally:
+            triton_impl.PACK_ROWS = pack_rows
+        if on_step is not None:
+            on_step(res)
     return res
 
 

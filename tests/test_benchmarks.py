@@ -116,3 +116,5 @@ def test_gpu_nsa_cpu_smoke(tmp_path):
         assert x["fwd_gather_bytes"] == x["visible_pairs"] * (x["Dqk"] + x["Dv"]) * 4
         assert x["bwd_gather_bytes"] > x["fwd_gather_bytes"] > 0 and x["fwd_gather_gbps"] > 0
     assert any(v.get("DQ_ATOMIC") for v in d["tune"]) and not any("error" in v for v in d["tune"])
+    assert all(v["rel_rms_vs_base"] < 1e-5 for v in d["tune"])  # fp32 under the interpreter
+    assert [v["PACK_ROWS"] for v in d["tune"] if "PACK_ROWS" in v] == [16, 32, 64]
