@@ -276,6 +276,61 @@ def test_dq_atomic_fully_masked_rows_and_no_keys(monkeypatch):
         assert g.shape == t.shape and g.dtype == t.dtype and (g == 0).all()
 
 
+def test_dq_atomic_only_where_it_fits():
+    """The dQ-in-dK/dV variant needs more shared memory; shapes where it would not fit keep the dQ kernel."""
+    h = triton_impl._head_blocks
+    assert triton_impl._dq_atomic_fits(64, h(192, 128)) and triton_impl._dq_atomic_fits(128, h(128, 64))
+    assert not triton_impl._dq_atomic_fits(64, h(256, 256)) and not triton_impl._dq_atomic_fits(128, h(192, 128))
+
+
+class _ShortOfSharedMemory:
+    """Wraps a kernel: launches with more than ``fits`` stages raise Triton's OutOfResources, as a GPU with less
+    shared memory would."""
+
+    def __init__(self, kernel, fits):
+        self.kernel, self.fits, self.tries = kernel, fits, []
+        self.__name__ = kernel.__name__
+
+    def __getitem__(self, grid):
+        from triton.runtime.errors import OutOfResources
+
+        def run(*args, num_stages=None, **kw):
+            self.tries.append(num_stages)
+            if num_stages is None or num_stages > self.fits:
+                raise OutOfResources(300_000, 232_448, "shared memory")
+            return self.kernel[grid](*args, num_stages=num_stages, **kw)
+
+        return run
+
+
+def test_shared_memory_shortfall_retries_then_errors_clearly(monkeypatch):
+    """Every NSA launch goes through ``_triton.launch``: one stage fewer when the device is short of shared memory
+    (same results), and a ValueError naming the shape through the public op when nothing fits."""
+    from sparseops import _triton
+    from sparseops.nsa import triton_kernels as kern
+
+    monkeypatch.setattr(_triton, "_STAGES", {})
+    c = _case([5, 9], N1=4, N2=2, Dqk=32, Dv=16, bs=16, K=2, duplicates=True)
+    want = _fwd(triton_impl, c)
+    fwd = _ShortOfSharedMemory(kern.nsa_fwd_kernel, fits=1)
+    monkeypatch.setattr(kern, "nsa_fwd_kernel", fwd)
+    got = _fwd(triton_impl, c)
+    assert fwd.tries == [2, 1]
+    for x, y in zip(got, want):
+        assert torch.equal(x, y)
+    dkv = _ShortOfSharedMemory(kern.nsa_bwd_dkv_kernel, fits=0)
+    monkeypatch.setattr(kern, "nsa_bwd_dkv_kernel", dkv)
+    fwd_op, grad_op = _public_ops()
+    a = testing.make_nsa_inputs([5, 9], N1=4, N2=2, Dqk=32, Dv=16, bs=16, K=2, device=DEVICE)
+    kw = {n: a[n] for n in ("scale_value", "head_num", "selected_block_size", "selected_block_count",
+                             "actual_seq_qlen", "actual_seq_kvlen", "sparse_mode")}
+    q, k, v = a["query"], a["key"], a["value"]
+    out, smax, ssum = fwd_op(q, k, v, a["topk_indices"], backend="triton", **kw)
+    with pytest.raises(ValueError, match=r"nsa_bwd_dkv_kernel: G=2, selected_block_count=2, selected_block_size=16"):
+        grad_op(q, k, v, out, torch.ones_like(out), smax, ssum, a["topk_indices"], backend="triton", **kw)
+    assert dkv.tries == [2, 1]
+
+
 def test_every_output_element_is_written(monkeypatch):
     """Fresh buffers (outputs, stats, D, workspace) come back NaN-poisoned: a missed store shows up as an error."""
     real_empty, real_empty_like = torch.empty, torch.empty_like

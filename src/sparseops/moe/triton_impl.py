@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _triton
 from .triton_kernels import moe_permute_kernel, moe_unpermute_grad_kernel, moe_unpermute_kernel
 
 #: benchmark-only overrides of the launch configuration: ``{op: (BLOCK_K, BLOCK_J, BLOCK_H, num_warps)}``
@@ -54,11 +55,7 @@ def _tile(name: str, H: int, K: int, N: int, R: int, elem: int, slot_tile: bool)
 
 
 def _launch(kernel, grid, device: torch.device, args, num_warps: int, **meta) -> None:
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            kernel[grid](*args, num_warps=num_warps, **meta)
-    else:
-        kernel[grid](*args, num_warps=num_warps, **meta)
+    _triton.launch(kernel, grid, device, args, num_warps=num_warps, **meta)
 
 
 def permute(tokens, sorted_indices, probs, K, s, e):

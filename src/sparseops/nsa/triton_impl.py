@@ -28,6 +28,7 @@ import os
 
 import torch
 
+from .. import _triton
 from .._varlen import seq_lengths, token_seq_positions
 
 #: entries (query tokens) per dK/dV program; also sizes the deterministic workspace
@@ -84,6 +85,19 @@ def _dkv_warps(bs: int, heads: dict) -> int:
     """8 warps; 16 when the fp32 dK/dV accumulators of one key block pass 32K values (bs = 128 with wide heads)."""
     cols = heads["BLOCK_D1"] + (heads["BLOCK_D2"] if heads["HAS_D2"] else 0) + heads["BLOCK_DV"]
     return 16 if _next_pow2(bs) * cols > 32768 else DKV_WARPS
+
+
+def _dq_atomic_fits(bs: int, heads: dict) -> bool:
+    """Whether the dK/dV kernel may also compute dQ: its extra ``[rows, Dqk]`` product takes it from 80.5 to 112.5
+    KiB of shared memory at the paper's shape (sm_90), and past 176 KiB once ``next_pow2(bs)·(Dqk + Dv)`` (padded)
+    reaches 32K values (272.5 KiB at bs = 128, Dqk = Dv = 256: more than any GPU has); those shapes keep the
+    query-major dQ kernel."""
+    cols = heads["BLOCK_D1"] + (heads["BLOCK_D2"] if heads["HAS_D2"] else 0) + heads["BLOCK_DV"]
+    return _next_pow2(bs) * cols < 32768
+
+
+def _shape(G: int, K: int, bs: int, Dqk: int, Dv: int) -> str:
+    return f"G={G}, selected_block_count={K}, selected_block_size={bs}, Dqk={Dqk}, Dv={Dv}"
 
 
 def _dot_args(q) -> dict:
@@ -187,11 +201,11 @@ def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
     _, pos, kv0, s2 = _token_meta(cu_q, cu_kv, q.device)
     heads = _head_blocks(Dqk, Dv)
     n_packs, pk, tile, warps = _q_launch(topk, cu_q, G, K, bs, heads, pos)
-    kern.nsa_fwd_kernel[(n_packs, N2)](
-        q, k, v, topk, out, m, l, pos, kv0, s2, *pk, float(scale),
+    _triton.launch(
+        kern.nsa_fwd_kernel, (n_packs, N2), q.device, (q, k, v, topk, out, m, l, pos, kv0, s2, *pk, float(scale)),
+        num_warps=warps, num_stages=FWD_STAGES, shape=_shape(G, K, bs, Dqk, Dv),
         N1=N1, N2=N2, G=G, K=K, BS=bs, BLOCK_BS=_next_pow2(bs), Dqk=Dqk, Dv=Dv, **tile,
         CAUSAL=bool(causal), **heads, **_dot_args(q), USE_WHILE=_interpreting(),
-        num_warps=warps, num_stages=FWD_STAGES,
     )
     return out, m, l
 
@@ -282,22 +296,24 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     heads = _head_blocks(Dqk, Dv)
     dots = _dot_args(q)
     block_bs = _next_pow2(bs)
-    dq_atomic = DQ_ATOMIC and not deterministic
+    shape = _shape(G, K, bs, Dqk, Dv)
+    dq_atomic = DQ_ATOMIC and not deterministic and _dq_atomic_fits(bs, heads)
     if dq_atomic:
         # dQ comes from the dK/dV kernel; D = rowsum(dY * O) as the dQ kernel would have written it
         block_dv = max(16, _next_pow2(Dv))
         block_r = max(1, 4096 // block_dv)
-        kern.nsa_bwd_delta_kernel[(-(-(T1 * N1) // block_r),)](out, dout, delta, T1 * N1, Dv=Dv, BLOCK_R=block_r,
-                                                                BLOCK_DV=block_dv, num_warps=4)
+        _triton.launch(kern.nsa_bwd_delta_kernel, (-(-(T1 * N1) // block_r),), dev, (out, dout, delta, T1 * N1),
+                       num_warps=4, Dv=Dv, BLOCK_R=block_r, BLOCK_DV=block_dv)
         dq32 = torch.zeros(q.shape, dtype=torch.float32, device=dev)
     else:
         dq32 = delta  # unused stand-in pointer
         n_packs, pk, tile, warps = _q_launch(topk, cu_q, G, K, bs, heads, pos, dq=True)
-        kern.nsa_bwd_dq_kernel[(n_packs, N2)](
-            q, k, v, out, dout, m, l, delta, topk, dq, pos, kv0, s2, *pk, float(scale),
+        _triton.launch(
+            kern.nsa_bwd_dq_kernel, (n_packs, N2), dev,
+            (q, k, v, out, dout, m, l, delta, topk, dq, pos, kv0, s2, *pk, float(scale)),
+            num_warps=warps, num_stages=FWD_STAGES, shape=shape,
             N1=N1, N2=N2, G=G, K=K, BS=bs, BLOCK_BS=block_bs, Dqk=Dqk, Dv=Dv, **tile,
             CAUSAL=bool(causal), **heads, **dots, USE_WHILE=_interpreting(),
-            num_warps=warps, num_stages=FWD_STAGES,
         )
 
     ix = build_inverse_index(topk, seq_id, bs, cu_kv, CHUNK)
@@ -307,7 +323,8 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     block_e = max(1, DKV_ROWS // gk)
     common = dict(
         N1=N1, N2=N2, G=G, BS=bs, BLOCK_BS=block_bs, Dqk=Dqk, Dv=Dv, BLOCK_G=gk, BLOCK_E=block_e,
-        CAUSAL=bool(causal), **heads, **dots, num_warps=_dkv_warps(bs, heads), num_stages=DKV_STAGES,
+        CAUSAL=bool(causal), **heads, **dots, num_warps=_dkv_warps(bs, heads), num_stages=DKV_STAGES, shape=shape,
+        USE_WHILE=_interpreting(),
     )
     n_ch = ix["n_chunks"]
     args = (q, k, v, dout, m, l, delta, ix["ent_tok"], ix["ch_blk"], ix["ch_e0"], ix["ch_e1"],
@@ -315,19 +332,20 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     if deterministic:
         ws_k = torch.empty(n_ch, block_bs, Dqk, dtype=torch.float32, device=dev)
         ws_v = torch.empty(n_ch, block_bs, Dv, dtype=torch.float32, device=dev)
-        kern.nsa_bwd_dkv_kernel[(n_ch,)](*args, ws_k, ws_v, ws_k, ws_v, ws_k, float(scale), DETERMINISTIC=True,
-                                         DQ_ATOMIC=False, USE_WHILE=_interpreting(), **common)
+        _triton.launch(kern.nsa_bwd_dkv_kernel, (n_ch,), dev, (*args, ws_k, ws_v, ws_k, ws_v, ws_k, float(scale)),
+                       DETERMINISTIC=True, DQ_ATOMIC=False, **common)
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
         block_d = 64 if min(Dqk, Dv) >= 64 else 16
         n_cols = -(-Dqk // block_d) + -(-Dv // block_d)
-        kern.nsa_bwd_reduce_kernel[(ix["n_blocks"], n_cols)](
-            ws_k, ws_v, ix["blk_c0"], ix["blk_c1"], ix["blk_row0"], ix["blk_n"], dk, dv,
-            N2=N2, BS=bs, BLOCK_BS=block_bs, Dqk=Dqk, Dv=Dv, BLOCK_D=block_d, num_warps=4,
+        _triton.launch(
+            kern.nsa_bwd_reduce_kernel, (ix["n_blocks"], n_cols), dev,
+            (ws_k, ws_v, ix["blk_c0"], ix["blk_c1"], ix["blk_row0"], ix["blk_n"], dk, dv),
+            num_warps=4, N2=N2, BS=bs, BLOCK_BS=block_bs, Dqk=Dqk, Dv=Dv, BLOCK_D=block_d,
         )
         return dq, dk, dv
     dk32 = torch.zeros(k.shape, dtype=torch.float32, device=dev)
     dv32 = torch.zeros(v.shape, dtype=torch.float32, device=dev)
-    kern.nsa_bwd_dkv_kernel[(n_ch,)](*args, dk32, dv32, dk32, dv32, dq32, float(scale), DETERMINISTIC=False,
-                                     DQ_ATOMIC=dq_atomic, USE_WHILE=_interpreting(), **common)
+    _triton.launch(kern.nsa_bwd_dkv_kernel, (n_ch,), dev, (*args, dk32, dv32, dk32, dv32, dq32, float(scale)),
+                   DETERMINISTIC=False, DQ_ATOMIC=dq_atomic, **common)
     return dq32.to(q.dtype) if dq_atomic else dq, dk32.to(k.dtype), dv32.to(v.dtype)
