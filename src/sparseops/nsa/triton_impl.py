@@ -283,9 +283,8 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     T2, N2, Dv = v.shape
     G, K = N1 // N2, topk.shape[2]
     dev = q.device
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     if T1 == 0 or T2 == 0:
-        return dq.zero_(), torch.zeros_like(k), torch.zeros_like(v)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     q, k, v, topk = q.contiguous(), k.contiguous(), v.contiguous(), topk.contiguous()
     dout = dout.contiguous()
     m = m.to(torch.float32).contiguous()
@@ -307,6 +306,7 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
         dq32 = torch.zeros(q.shape, dtype=torch.float32, device=dev)
     else:
         dq32 = delta  # unused stand-in pointer
+        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
         n_packs, pk, tile, warps = _q_launch(topk, cu_q, G, K, bs, heads, pos, dq=True)
         _triton.launch(
             kern.nsa_bwd_dq_kernel, (n_packs, N2), dev,
