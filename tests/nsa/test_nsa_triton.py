@@ -262,6 +262,14 @@ def test_dq_atomic_variant(monkeypatch, kw, chunk):
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_dq_atomic_half_inputs(monkeypatch, dtype):
+    """The fp32 dQ buffer is cast once to the input dtype."""
+    monkeypatch.setattr(triton_impl, "DQ_ATOMIC", True)
+    c = _case([6, 19], N1=4, N2=2, Dqk=32, Dv=16, bs=16, K=2, dtype=dtype, empty_frac=0.2, duplicates=True)
+    _check(c, dtype, deterministic_too=False)
+
+
 def test_dq_atomic_fully_masked_rows_and_no_keys(monkeypatch):
     """Rows with no visible key get dq = 0 on the atomic path too; no key blocks at all gives zeros."""
     monkeypatch.setattr(triton_impl, "DQ_ATOMIC", True)
