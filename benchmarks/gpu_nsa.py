@@ -31,6 +31,7 @@ import platform  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
+from functools import partial  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -371,69 +372,51 @@ def tune(device, cfg, smoke=False, on_step=None):
     q, k, v, topk, cu = make_inputs([48 if smoke else 32768], N2=N2, G=2 if smoke else 16, Dqk=Dqk, Dv=Dv, bs=bs,
                                     K=K, dtype=torch.float32 if smoke else torch.bfloat16, device=device)
     sc = 1.0 / math.sqrt(Dqk)
-    out, m, l = triton_impl.forward(q, k, v, topk, sc, bs, cu, cu, True)
-    dout = torch.randn_like(out)
-    names = ("FWD_STAGES", "DKV_ROWS", "DKV_WARPS", "DKV_STAGES", "CHUNK", "DQ_ATOMIC")
+    # token packing at G = 16 (PACK_ROWS 32, 64: 2 or 4 tokens per tile). With uniformly drawn ids neighbours
+    # rarely share a block and packing can only lose; so it is timed where every 64-token query block shares its
+    # first token's selection (causally valid for the later tokens), the case where a shared block loads once.
+    shared = topk[torch.arange(topk.shape[0], device=topk.device) // 64 * 64].contiguous()
+    selections = {"uniform": topk, "shared per 64-token query block": shared}
+    # the forward's out and stats with the base settings, the backward's inputs for every variant
+    fwd = {name: triton_impl.forward(q, k, v, ids, sc, bs, cu, cu, True) for name, ids in selections.items()}
+    dout = torch.randn_like(fwd["uniform"][0])
+    names = ("FWD_STAGES", "DKV_ROWS", "DKV_WARPS", "DKV_STAGES", "CHUNK", "DQ_ATOMIC", "PACK_ROWS")
     base = {n: getattr(triton_impl, n) for n in names}
     # most telling first: a run cut short by its time limit keeps the variants it finished
     variants = [{}, {"DKV_ROWS": 64}, {"DQ_ATOMIC": True}, {"CHUNK": 64}] if smoke else [
         {}, {"DQ_ATOMIC": True}, {"DKV_ROWS": 64}, {"DQ_ATOMIC": True, "DKV_ROWS": 16}, {"FWD_STAGES": 3},
         {"FWD_STAGES": 1}, {"DKV_ROWS": 16}, {"DKV_STAGES": 3}, {"DKV_STAGES": 1}, {"CHUNK": 64}, {"CHUNK": 1024},
         {"DKV_WARPS": 4}]
-    res = []
-    ref = None
-    for var in variants:
+    # (settings, selection, time the deterministic backward too); the first run of a selection is its base
+    runs = [(var, "uniform", True) for var in variants] + [
+        ({"PACK_ROWS": rows}, "shared per 64-token query block", False) for rows in (16, 32, 64)]
+    res, refs = [], {}
+    for var, sel, det in runs:
+        label = var if sel == "uniform" else {**var, "selection": sel}
+        ids = selections[sel]
+        out, m, l = fwd[sel]
         try:
             for n, val in {**base, **var}.items():
                 setattr(triton_impl, n, val)
-            # each variant's results against the base settings' (a wrong variant must not look fast)
-            got = (*triton_impl.forward(q, k, v, topk, sc, bs, cu, cu, True)[:1],
-                   *triton_impl.backward(q, k, v, out, dout, m, l, topk, sc, bs, cu, cu, True))
-            ref = got if ref is None else ref
+            fwd_call = partial(triton_impl.forward, q, k, v, ids, sc, bs, cu, cu, True)
+            bwd_call = partial(triton_impl.backward, q, k, v, out, dout, m, l, ids, sc, bs, cu, cu, True)
+            # each variant's results against its selection's base (a wrong variant must not look fast)
+            got = (*fwd_call()[:1], *bwd_call())
+            ref = refs.setdefault(sel, got)
             err = max(testing.rel_rms_error(x.float(), y.float()) for x, y in zip(got, ref))
-            f = bench(lambda: triton_impl.forward(q, k, v, topk, sc, bs, cu, cu, True), smoke)
-            b = bench(lambda: triton_impl.backward(q, k, v, out, dout, m, l, topk, sc, bs, cu, cu, True), smoke)
-            d = bench(lambda: triton_impl.backward(q, k, v, out, dout, m, l, topk, sc, bs, cu, cu, True,
-                                                   deterministic=True), smoke)
-            res.append({**var, "fwd_ms": f, "bwd_ms": b, "bwd_det_ms": d, "rel_rms_vs_base": err})
-            print(f"tune {var or 'base'}: fwd {f:.3f} ms, bwd {b:.3f} ms, det {d:.3f} ms "
-                  f"(out/dq/dk/dv vs base: rel. RMS <= {err:.1e})", flush=True)
+            row = {**label, "fwd_ms": bench(fwd_call, smoke), "bwd_ms": bench(bwd_call, smoke)}
+            if det:
+                row["bwd_det_ms"] = bench(partial(bwd_call, deterministic=True), smoke)
+            res.append({**row, "rel_rms_vs_base": err})
+            times = ", ".join(f"{n[:-3].replace('_', ' ')} {row[n]:.3f} ms" for n in row if n.endswith("_ms"))
+            print(f"tune {label or 'base'}: {times} (out/dq/dk/dv vs base: rel. RMS <= {err:.1e})", flush=True)
         except Exception as e:  # noqa: BLE001
-            print(f"tune {var} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            res.append({**var, "error": f"{type(e).__name__}: {e}"})
+            print(f"tune {label} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            res.append({**label, "error": f"{type(e).__name__}: {e}"})
         if on_step is not None:
             on_step(res)
     for n, val in base.items():
         setattr(triton_impl, n, val)
-    # token packing at G = 16 (PACK_ROWS 32, 64: 2 or 4 tokens per tile). With uniformly drawn ids neighbours
-    # rarely share a block and packing can only lose; here every 64-token query block shares its first
-    # token's selection (causally valid for the later tokens), the case where a shared block loads once.
-    T = topk.shape[0]
-    first = torch.arange(T, device=topk.device) // 64 * 64
-    topk_s = topk[first].contiguous()
-    out_s, m_s, l_s = triton_impl.forward(q, k, v, topk_s, sc, bs, cu, cu, True)
-    ref, pack_rows = None, triton_impl.PACK_ROWS
-    for rows in (16, 32, 64):
-        var = {"PACK_ROWS": rows, "selection": "shared per 64-token query block"}
-        try:
-            triton_impl.PACK_ROWS = rows
-            got = (*triton_impl.forward(q, k, v, topk_s, sc, bs, cu, cu, True)[:1],
-                   *triton_impl.backward(q, k, v, out_s, dout, m_s, l_s, topk_s, sc, bs, cu, cu, True))
-            ref = got if ref is None else ref
-            err = max(testing.rel_rms_error(x.float(), y.float()) for x, y in zip(got, ref))
-            f = bench(lambda: triton_impl.forward(q, k, v, topk_s, sc, bs, cu, cu, True), smoke)
-            b = bench(lambda: triton_impl.backward(q, k, v, out_s, dout, m_s, l_s, topk_s, sc, bs, cu, cu, True),
-                      smoke)
-            res.append({**var, "fwd_ms": f, "bwd_ms": b, "rel_rms_vs_base": err})
-            print(f"tune {var}: fwd {f:.3f} ms, bwd {b:.3f} ms (vs PACK_ROWS=16: rel. RMS <= {err:.1e})",
-                  flush=True)
-        except Exception as e:  # noqa: BLE001
-            print(f"tune {var} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            res.append({**var, "error": f"{type(e).__name__}: {e}"})
-        finally:
-            triton_impl.PACK_ROWS = pack_rows
-        if on_step is not None:
-            on_step(res)
     return res
 
 
