@@ -81,10 +81,14 @@ def _head_blocks(Dqk: int, Dv: int) -> dict:
     }
 
 
+def _block_values(bs: int, heads: dict) -> int:
+    """Values of one key block's K and V rows as the kernels tile them: ``next_pow2(bs) * (Dqk + Dv)`` padded."""
+    return _next_pow2(bs) * (heads["BLOCK_D1"] + (heads["BLOCK_D2"] if heads["HAS_D2"] else 0) + heads["BLOCK_DV"])
+
+
 def _dkv_warps(bs: int, heads: dict) -> int:
     """8 warps; 16 when the fp32 dK/dV accumulators of one key block pass 32K values (bs = 128 with wide heads)."""
-    cols = heads["BLOCK_D1"] + (heads["BLOCK_D2"] if heads["HAS_D2"] else 0) + heads["BLOCK_DV"]
-    return 16 if _next_pow2(bs) * cols > 32768 else DKV_WARPS
+    return 16 if _block_values(bs, heads) > 32768 else DKV_WARPS
 
 
 def _dq_atomic_fits(bs: int, heads: dict) -> bool:
@@ -92,8 +96,7 @@ def _dq_atomic_fits(bs: int, heads: dict) -> bool:
     KiB of shared memory at the paper's shape (sm_90), and past 176 KiB once ``next_pow2(bs)·(Dqk + Dv)`` (padded)
     reaches 32K values (272.5 KiB at bs = 128, Dqk = Dv = 256: more than any GPU has); those shapes keep the
     query-major dQ kernel."""
-    cols = heads["BLOCK_D1"] + (heads["BLOCK_D2"] if heads["HAS_D2"] else 0) + heads["BLOCK_DV"]
-    return _next_pow2(bs) * cols < 32768
+    return _block_values(bs, heads) < 32768
 
 
 def _shape(G: int, K: int, bs: int, Dqk: int, Dv: int) -> str:
@@ -129,8 +132,7 @@ def _q_tile(G: int, K: int, bs: int, heads: dict, dq: bool = False) -> tuple[dic
     ``bs * (Dqk + Dv)``, e.g. bs = 64 with Dqk = Dv = 256): with 4 it spills there (sm_90 compile check)."""
     P = pack_size(G)
     block_g = _next_pow2(G) if P > 1 else max(16, _next_pow2(G))
-    cols = heads["BLOCK_D1"] + (heads["BLOCK_D2"] if heads["HAS_D2"] else 0) + heads["BLOCK_DV"]
-    wide = dq and P > 1 and _next_pow2(bs) * cols >= 32768
+    wide = dq and P > 1 and _block_values(bs, heads) >= 32768
     return {"BLOCK_G": block_g, "PACK": P, "BLOCK_K": _next_pow2(K)}, 4 if P * block_g <= 16 and not wide else 8
 
 
