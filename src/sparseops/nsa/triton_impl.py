@@ -35,6 +35,9 @@ from .._varlen import seq_lengths, token_seq_positions
 CHUNK = 256
 #: target tile rows (tokens x heads) per step of the dK/dV kernel
 DKV_ROWS = 32
+#: key rows per dK/dV program: a wider (padded) block is split over programs (bs = 128: two of 64 rows), so
+#: its K/V rows and fp32 accumulators fit in shared memory and registers (offline compile, docs/nsa.md)
+DKV_KEY_ROWS = 64
 #: tile rows the forward / dQ kernels fill by packing consecutive tokens when G < 16 (mma.sync needs M >= 16)
 PACK_ROWS = 16
 #: default (non-deterministic) backward: compute dQ inside the dK/dV kernel with fp32 atomics instead of the
@@ -86,17 +89,22 @@ def _block_values(bs: int, heads: dict) -> int:
     return _next_pow2(bs) * (heads["BLOCK_D1"] + (heads["BLOCK_D2"] if heads["HAS_D2"] else 0) + heads["BLOCK_DV"])
 
 
+def _dkv_key_rows(bs: int) -> int:
+    """Key rows per dK/dV program: the padded block, at most ``DKV_KEY_ROWS``."""
+    return min(_next_pow2(bs), DKV_KEY_ROWS)
+
+
 def _dkv_warps(bs: int, heads: dict) -> int:
-    """8 warps; 16 when the fp32 dK/dV accumulators of one key block pass 32K values (bs = 128 with wide heads)."""
-    return 16 if _block_values(bs, heads) > 32768 else DKV_WARPS
+    """8 warps; 16 when the fp32 dK/dV accumulators of one program pass 32K values (only with ``DKV_KEY_ROWS``
+    above 64 and wide heads)."""
+    return 16 if _block_values(_dkv_key_rows(bs), heads) > 32768 else DKV_WARPS
 
 
 def _dq_atomic_fits(bs: int, heads: dict) -> bool:
     """Whether the dK/dV kernel may also compute dQ: its extra ``[rows, Dqk]`` product takes it from 80.5 to 112.5
-    KiB of shared memory at the paper's shape (sm_90), and past 176 KiB once ``next_pow2(bs)·(Dqk + Dv)`` (padded)
-    reaches 32K values (272.5 KiB at bs = 128, Dqk = Dv = 256: more than any GPU has); those shapes keep the
-    query-major dQ kernel."""
-    return _block_values(bs, heads) < 32768
+    KiB of shared memory at the paper's shape (sm_90), and past 176 KiB once a program's ``key rows·(Dqk + Dv)``
+    (padded) reaches 32K values (Dqk = Dv = 256 with 64 key rows); those shapes keep the query-major dQ kernel."""
+    return _block_values(_dkv_key_rows(bs), heads) < 32768
 
 
 def _shape(G: int, K: int, bs: int, Dqk: int, Dv: int) -> str:
@@ -323,18 +331,20 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
         return dq32.to(q.dtype) if dq_atomic else dq, torch.zeros_like(k), torch.zeros_like(v)
     gk = _next_pow2(G)
     block_e = max(1, DKV_ROWS // gk)
+    key_rows = _dkv_key_rows(bs)
     common = dict(
-        N1=N1, N2=N2, G=G, BS=bs, BLOCK_BS=block_bs, Dqk=Dqk, Dv=Dv, BLOCK_G=gk, BLOCK_E=block_e,
+        N1=N1, N2=N2, G=G, BS=bs, BLOCK_BS=block_bs, BLOCK_KR=key_rows, Dqk=Dqk, Dv=Dv, BLOCK_G=gk, BLOCK_E=block_e,
         CAUSAL=bool(causal), **heads, **dots, num_warps=_dkv_warps(bs, heads), num_stages=DKV_STAGES, shape=shape,
         USE_WHILE=_interpreting(),
     )
     n_ch = ix["n_chunks"]
+    grid = (n_ch, block_bs // key_rows)
     args = (q, k, v, dout, m, l, delta, ix["ent_tok"], ix["ch_blk"], ix["ch_e0"], ix["ch_e1"],
             ix["blk_row0"], ix["blk_p0"], ix["blk_n"], pos)
     if deterministic:
         ws_k = torch.empty(n_ch, block_bs, Dqk, dtype=torch.float32, device=dev)
         ws_v = torch.empty(n_ch, block_bs, Dv, dtype=torch.float32, device=dev)
-        _triton.launch(kern.nsa_bwd_dkv_kernel, (n_ch,), dev, (*args, ws_k, ws_v, ws_k, ws_v, ws_k, float(scale)),
+        _triton.launch(kern.nsa_bwd_dkv_kernel, grid, dev, (*args, ws_k, ws_v, ws_k, ws_v, ws_k, float(scale)),
                        DETERMINISTIC=True, DQ_ATOMIC=False, **common)
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
@@ -348,6 +358,6 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
         return dq, dk, dv
     dk32 = torch.zeros(k.shape, dtype=torch.float32, device=dev)
     dv32 = torch.zeros(v.shape, dtype=torch.float32, device=dev)
-    _triton.launch(kern.nsa_bwd_dkv_kernel, (n_ch,), dev, (*args, dk32, dv32, dk32, dv32, dq32, float(scale)),
+    _triton.launch(kern.nsa_bwd_dkv_kernel, grid, dev, (*args, dk32, dv32, dk32, dv32, dq32, float(scale)),
                    DETERMINISTIC=False, DQ_ATOMIC=dq_atomic, **common)
     return dq32.to(q.dtype) if dq_atomic else dq, dk32.to(k.dtype), dv32.to(v.dtype)

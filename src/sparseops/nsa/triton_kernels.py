@@ -321,14 +321,14 @@ def _dkv_step(
     b_il = tl.where(b_l > 0, 1.0 / tl.where(b_l > 0, b_l, 1.0), 0.0)
     b_delta = tl.load(delta + o_h, mask=m_x, other=0.0)
 
-    # [BLOCK_BS, ROWS]
+    # [BLOCK_KR, ROWS]
     m_vis = m_r[:, None] & m_x[None, :]
     if CAUSAL:
         m_vis = m_vis & ((p0 + o_r)[:, None] <= o_s1[None, :])
-    # [BLOCK_BS, ROWS]
+    # [BLOCK_KR, ROWS]
     b_st = _qk(b_k1, b_q1, b_k2, b_q2, HAS_D2, PREC) * scale
     b_pt = tl.where(m_vis, tl.exp(b_st - b_m[None, :]) * b_il[None, :], 0.0)
-    # [BLOCK_BS, ROWS]
+    # [BLOCK_KR, ROWS]
     b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=PREC)
     b_dst = (b_pt * (b_dpt - b_delta[None, :])).to(DOT)
     b_dv += tl.dot(b_pt.to(DOT), b_do, input_precision=PREC)
@@ -356,14 +356,16 @@ def nsa_bwd_dkv_kernel(
     dk, dv, ws_k, ws_v, dq,
     scale,
     N1: tl.constexpr, N2: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, BLOCK_BS: tl.constexpr,
-    Dqk: tl.constexpr, Dv: tl.constexpr,
+    BLOCK_KR: tl.constexpr, Dqk: tl.constexpr, Dv: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, HAS_D2: tl.constexpr,
     BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
     DETERMINISTIC: tl.constexpr, DQ_ATOMIC: tl.constexpr, USE_WHILE: tl.constexpr,
 ):
     """dK/dV, key-block-major: one program per chunk of the (sorted) list of query tokens that selected
-    one key block of one KV head. Each step gathers BLOCK_E such tokens x BLOCK_G heads as tile rows.
+    one key block of one KV head, and per BLOCK_KR of the block's (padded) BLOCK_BS key rows (grid axis 1;
+    a wide block is split so that its K/V rows and fp32 accumulators fit). Each step gathers BLOCK_E such
+    tokens x BLOCK_G heads as tile rows.
     DETERMINISTIC: the chunk's fp32 partial goes to its own workspace slot (reduced in order later);
     else it is added into the fp32 dk/dv buffers with atomics. DQ_ATOMIC (never with DETERMINISTIC): dQ is
     computed here too, added per step into the fp32 ``dq`` with atomics (no query-major dQ kernel)."""
@@ -384,7 +386,8 @@ def nsa_bwd_dkv_kernel(
     o_xe = o_x // BLOCK_G
     o_xg = o_x % BLOCK_G
     m_xg = o_xg < G
-    o_r = tl.arange(0, BLOCK_BS)
+    # this program's key rows of the block
+    o_r = tl.program_id(1) * BLOCK_KR + tl.arange(0, BLOCK_KR)
     m_r = o_r < nb
     o_d1 = tl.arange(0, BLOCK_D1)
     o_dv = tl.arange(0, BLOCK_DV)
@@ -394,17 +397,17 @@ def nsa_bwd_dkv_kernel(
 
     o_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
     m_d2 = o_d2 < Dqk
-    # [BLOCK_BS, BLOCK_D1], [BLOCK_BS, BLOCK_D2]
+    # [BLOCK_KR, BLOCK_D1], [BLOCK_KR, BLOCK_D2]
     b_k1, b_k2 = _load_split(k, o_krow, m_r, o_d1, m_d1, o_d2, m_d2, Dqk, HAS_D2, DOT)
-    # [BLOCK_BS, BLOCK_DV]
+    # [BLOCK_KR, BLOCK_DV]
     b_v = tl.load(v + o_krow[:, None] * Dv + o_dv[None, :], mask=m_r[:, None] & m_dv[None, :], other=0.0).to(DOT)
 
-    # [BLOCK_BS, BLOCK_D1]
-    b_dk1 = tl.zeros([BLOCK_BS, BLOCK_D1], dtype=tl.float32)
-    # [BLOCK_BS, BLOCK_D2]
-    b_dk2 = tl.zeros([BLOCK_BS, BLOCK_D2], dtype=tl.float32)
-    # [BLOCK_BS, BLOCK_DV]
-    b_dv = tl.zeros([BLOCK_BS, BLOCK_DV], dtype=tl.float32)
+    # [BLOCK_KR, BLOCK_D1]
+    b_dk1 = tl.zeros([BLOCK_KR, BLOCK_D1], dtype=tl.float32)
+    # [BLOCK_KR, BLOCK_D2]
+    b_dk2 = tl.zeros([BLOCK_KR, BLOCK_D2], dtype=tl.float32)
+    # [BLOCK_KR, BLOCK_DV]
+    b_dv = tl.zeros([BLOCK_KR, BLOCK_DV], dtype=tl.float32)
 
     if USE_WHILE:
         # the interpreter cannot iterate range() over loaded scalars
