@@ -3,7 +3,7 @@
     python benchmarks/gpu_nsa.py              # full run (T = 8K, 32K, 64K at G = 16; G = 1, 4 at 32K)
     python benchmarks/gpu_nsa.py --quick      # T = 8K and 32K only
     python benchmarks/gpu_nsa.py --cpu-smoke  # correctness part + table code under TRITON_INTERPRET=1, tiny
-    python benchmarks/gpu_nsa.py --compile-check  # Hopper cubins without a GPU: registers and spills
+    python benchmarks/gpu_nsa.py --compile-check [--arch 80]  # cubins without a GPU: shared memory, spills
 
 First checks correctness (Triton vs the float64 reference on a tiny shape, and vs a dense fp32 gather
 implementation with autograd and the torch backend on a moderate shape; aborts if wrong), then times each op with
@@ -303,67 +303,57 @@ def run_row(device, T, G, dtype, smoke, cfg):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# offline compile check (no GPU needed): Hopper cubins, registers and spills
+# offline compile check (no GPU needed): cubins for a GPU, shared memory, registers and spills
 # ------------------------------------------------------------------------------------------------------------
 
 
-def compile_check(Gs=(1, 4, 16, 32), cfg=None):
-    """Compile every kernel for sm_90 at the paper's dims without a GPU and print registers / spill stack."""
-    import shutil
-    import tempfile
-
-    import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from sparseops.nsa import triton_kernels as kern
+def compile_check(Gs=(1, 4, 16, 32), cfg=None, arch=90):
+    """Compile every launch of the forward and the three backward variants for ``sm_<arch>`` without a GPU
+    (``sparseops._triton.offline_compile``: the launchers' own constexprs, warps and stages) and print each
+    kernel's shared memory, registers and spill stack. Returns the rows."""
+    from sparseops import _triton
 
     cfg = cfg or PAPER
-    N2, Dqk, Dv, BS, K = cfg["N2"], cfg["Dqk"], cfg["Dv"], cfg["bs"], cfg["K"]
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    cuobjdump = shutil.which("cuobjdump") or str(bin_dir / "cuobjdump")
-    hb = triton_impl._head_blocks(Dqk, Dv)
-    i32, i64, f32, bf = "*i32", "*i64", "*fp32", "*bf16"
-
-    def one(fn, ptrs, consts, num_warps, label=""):
-        sig = {n: ("constexpr" if n in consts else ptrs.get(n, "fp32")) for n in fn.arg_names}
-        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
-        src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()}, attrs=attrs)
-        c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 2})
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(c.asm["cubin"])
-            f.flush()
-            res = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-        use = " ".join(w for line in res.splitlines() if "REG" in line for w in line.split() if w[:4] in ("REG:", "STAC"))
-        print(f"  {fn.__name__ + label:<34} warps={num_warps} smem={c.metadata.shared:>6} {use}", flush=True)
-
+    N2, Dqk, Dv, bs, K = cfg["N2"], cfg["Dqk"], cfg["Dv"], cfg["bs"], cfg["K"]
+    rows = []
+    print(f"sm_{arch} ({_triton.GPU_NAMES[arch]}), {_triton.SHARED_LIMIT[arch]} bytes of shared memory per program; "
+          f"N2={N2} Dqk={Dqk} Dv={Dv} bs={bs} K={K}, bf16")
     for G in Gs:
-        print(f"G={G}:")
-        gk = triton_impl._next_pow2(G)
-        tile, warps = triton_impl._q_tile(G, K, BS, hb)
-        common = dict(N1=N2 * G, N2=N2, G=G, BS=BS, BLOCK_BS=triton_impl._next_pow2(BS), Dqk=Dqk, Dv=Dv,
-                      CAUSAL=True, DOT=tl.bfloat16, PREC="tf32", **hb)
-        meta = {"tok_pos": i32, "tok_kv0": i64, "tok_s2": i32, "topk": i32,
-                "pk_t0": i64, "pk_n": i32, "pk_ids": i32, "pk_nu": i32}
-        qk = {**common, "K": K, **tile, "USE_WHILE": False}
-        print(f"  (forward / dQ: {tile['PACK']} token(s) x {tile['BLOCK_G']} head rows per tile)")
-        one(kern.nsa_fwd_kernel, {**dict.fromkeys("q k v o".split(), bf), "m_out": f32, "l_out": f32, **meta},
-            qk, warps)
-        one(kern.nsa_bwd_dq_kernel, {**dict.fromkeys("q k v o do dq".split(), bf),
-                                     **dict.fromkeys("m_in l_in delta".split(), f32), **meta}, qk,
-            triton_impl._q_tile(G, K, BS, hb, dq=True)[1])
-        for det, dqa, label in ((False, False, " (atomic)"), (True, False, " (determ.)"), (False, True, " (+dQ)")):
-            one(kern.nsa_bwd_dkv_kernel, {**dict.fromkeys("q k v do".split(), bf),
-                                          **dict.fromkeys("m_in l_in delta dk dv ws_k ws_v dq".split(), f32),
-                                          "ent_tok": i32, "ch_blk": i64, "ch_e0": i64, "ch_e1": i64, "blk_row0": i64,
-                                          "blk_p0": i32, "blk_n": i32, "tok_pos": i32},
-                {**common, "BLOCK_G": gk, "BLOCK_E": max(1, triton_impl.DKV_ROWS // gk), "DETERMINISTIC": det,
-                 "DQ_ATOMIC": dqa, "USE_WHILE": False}, triton_impl._dkv_warps(BS, hb), label)
-    one(kern.nsa_bwd_delta_kernel, {"o": bf, "do": bf, "delta": f32}, dict(Dv=Dv, BLOCK_R=32, BLOCK_DV=128), 4)
-    one(kern.nsa_bwd_reduce_kernel, {"ws_k": f32, "ws_v": f32, "blk_c0": i64, "blk_c1": i64, "blk_row0": i64,
-                                     "blk_n": i32, "dk": bf, "dv": bf},
-        dict(N2=N2, BS=BS, BLOCK_BS=triton_impl._next_pow2(BS), Dqk=Dqk, Dv=Dv, BLOCK_D=64), 4)
+        q, k, v, topk, cu = make_inputs([40, 25], N2=N2, G=G, Dqk=Dqk, Dv=Dv, bs=bs, K=K, dtype=torch.bfloat16,
+                                        device="cpu")
+        T1, N1 = q.shape[:2]
+        out = torch.zeros(T1, N1, Dv, dtype=q.dtype)
+        m, l = torch.zeros(T1, N1), torch.ones(T1, N1)
+        tile = triton_impl._q_tile(G, K, bs, triton_impl._head_blocks(Dqk, Dv))[0]
+        print(f"G={G}: forward / dQ tiles of {tile['PACK']} token(s) x {tile['BLOCK_G']} head rows")
+        for label, det, dqa in (("forward", None, False), ("backward", False, False),
+                                ("deterministic", True, False), ("DQ_ATOMIC", False, True)):
+            old = triton_impl.DQ_ATOMIC
+            triton_impl.DQ_ATOMIC = dqa
+            try:
+                with _triton.offline_compile(arch) as launches:
+                    if det is None:
+                        triton_impl.forward(q, k, v, topk, 0.1, bs, cu, cu, True)
+                    else:
+                        triton_impl.backward(q, k, v, out, out, m, l, topk, 0.1, bs, cu, cu, True, deterministic=det)
+                err = None
+            except ValueError as e:  # does not fit this GPU
+                err = str(e)
+            finally:
+                triton_impl.DQ_ATOMIC = old
+            if err:
+                print(f"  {label:<14} does not fit: {err}")
+                rows.append({"G": G, "variant": label, "error": err})
+                continue
+            for x in launches:
+                use = x.resources()
+                row = {"G": G, "variant": label, "kernel": x.kernel, "warps": x.num_warps, "stages": x.stages,
+                       "shared": x.shared, **use}
+                rows.append(row)
+                print(f"  {label:<14} {x.kernel:<24} warps={x.num_warps:<2} stages={x.stages} "
+                      f"smem={x.shared / 1024:>6.1f} KiB  regs={use['registers']:<3} spill={use['spill_bytes']} B",
+                      flush=True)
+    return rows
 
 
 def tune(device, cfg, smoke=False, on_step=None):
@@ -434,10 +424,11 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_nsa.json"))
     ap.add_argument("--tune", action="store_true", help="also time launch-setting variants at T=32K, G=16")
     ap.add_argument("--compile-check", action="store_true",
-                    help="compile the kernels for sm_90 without a GPU and print registers / spills")
+                    help="compile the kernels for a GPU without one and print shared memory / registers / spills")
+    ap.add_argument("--arch", type=int, default=90, help="--compile-check target: 90 (H100/H200), 80, 86, 89")
     args = ap.parse_args()
     if args.compile_check:
-        compile_check()
+        compile_check(arch=args.arch)
         return
     smoke = args.cpu_smoke
     if not smoke and not torch.cuda.is_available():

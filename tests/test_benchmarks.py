@@ -118,3 +118,24 @@ def test_gpu_nsa_cpu_smoke(tmp_path):
     assert any(v.get("DQ_ATOMIC") for v in d["tune"]) and not any("error" in v for v in d["tune"])
     assert all(v["rel_rms_vs_base"] < 1e-5 for v in d["tune"])  # fp32 under the interpreter
     assert [v["PACK_ROWS"] for v in d["tune"] if "PACK_ROWS" in v] == [16, 32, 64]
+
+
+def test_gpu_nsa_compile_check_reports_every_variant():
+    """``gpu_nsa.py --compile-check`` (no GPU): each variant's launches with shared memory, registers and spills;
+    a variant that does not fit the target GPU is reported, not raised."""
+    pytest.importorskip("triton")
+    import os
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("needs compiled Triton")
+    from benchmarks import gpu_nsa
+
+    rows = gpu_nsa.compile_check(Gs=(2,), cfg=dict(N2=1, Dqk=32, Dv=16, bs=16, K=2), arch=90)
+    kernels = {(r["variant"], r["kernel"]) for r in rows}
+    assert kernels == {("forward", "nsa_fwd_kernel"), ("backward", "nsa_bwd_dq_kernel"),
+                       ("backward", "nsa_bwd_dkv_kernel"), ("deterministic", "nsa_bwd_dq_kernel"),
+                       ("deterministic", "nsa_bwd_dkv_kernel"), ("deterministic", "nsa_bwd_reduce_kernel"),
+                       ("DQ_ATOMIC", "nsa_bwd_delta_kernel"), ("DQ_ATOMIC", "nsa_bwd_dkv_kernel")}
+    assert all(0 < r["registers"] <= 255 and r["shared"] <= 232448 for r in rows)
+    rows = gpu_nsa.compile_check(Gs=(16,), cfg=dict(N2=1, Dqk=256, Dv=256, bs=64, K=2), arch=86)
+    assert [r["variant"] for r in rows if "error" in r] == ["backward", "deterministic", "DQ_ATOMIC"]

@@ -16,8 +16,8 @@ def triton_importable(monkeypatch):
     "device, dtype, expected",
     [
         ("cpu", torch.float32, "torch"),
-        ("cuda", torch.bfloat16, "triton"),
-        ("cuda", torch.float32, "triton"),
+        ("cuda", torch.bfloat16, api.AUTO_TRITON),
+        ("cuda", torch.float32, api.AUTO_TRITON),
         ("cuda", torch.float64, "torch"),  # the kernels take fp32/fp16/bf16; float64 is a testing dtype
     ],
     ids=["cpu", "cuda-bf16", "cuda-fp32", "cuda-fp64-falls-back"],

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import warnings
 from collections.abc import Sequence
 
 import torch
 
-from .. import _checks
+from .. import _checks, _triton
 from .._config import resolve_deterministic
 from .._varlen import normalize_cu_seqlens, token_seq_positions
 
@@ -36,9 +37,14 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+#: what ``_resolve_backend`` returns when ``auto`` chose Triton: like ``"triton"``, but a shape whose kernel does
+#: not fit the device (``_triton.DoesNotFit``, e.g. fp32 inputs with wide heads) runs on the torch path instead
+AUTO_TRITON = "auto:triton"
+
+
 def _backend_module(backend: str):
     """The backend module; ``triton_impl`` is imported lazily and may be absent (a clear error then)."""
-    if backend == "triton":
+    if backend in ("triton", AUTO_TRITON):
         try:
             return importlib.import_module(".triton_impl", __package__)
         except ImportError as e:
@@ -57,7 +63,19 @@ def _resolve_backend(backend, device: torch.device, dtype: torch.dtype) -> str:
         return "torch"
     if name == "triton":
         _backend_module("triton")
-    return name
+    return AUTO_TRITON if name == "triton" and backend == "auto" else name
+
+
+def _run(backend: str, fn: str, *args, **kwargs):
+    """``<backend module>.<fn>(*args, **kwargs)``; under ``auto``, the torch path where a kernel does not fit."""
+    try:
+        return getattr(_backend_module(backend), fn)(*args, **kwargs)
+    except _triton.DoesNotFit as e:
+        if backend != AUTO_TRITON:
+            raise
+        warnings.warn(f"sparseops: {e}; backend='auto' runs this shape on the torch path", RuntimeWarning,
+                      stacklevel=2)
+        return getattr(_backend_module("torch"), fn)(*args, **kwargs)
 
 
 def _check_args(
@@ -197,7 +215,7 @@ def _fwd_op(
     causal: bool,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backend_module(backend).forward(query, key, value, topk, scale, bs, cu_q, cu_kv, causal)
+    return _run(backend, "forward", query, key, value, topk, scale, bs, cu_q, cu_kv, causal)
 
 
 @_fwd_op.register_fake
@@ -229,8 +247,9 @@ def _bwd_op(
     deterministic: bool,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backend_module(backend).backward(
-        query, key, value, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, deterministic=deterministic
+    return _run(
+        backend, "backward", query, key, value, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal,
+        deterministic=deterministic,
     )
 
 
@@ -308,8 +327,9 @@ def nsa_selected_attention(
         actual_seq_qlen, actual_seq_kvlen: cumulative lengths without the leading 0 (list of ints or an integer
             tensor; pass lists under ``torch.compile``), or None for one sequence. Same count on both sides.
         sparse_mode: 0 (no mask) or 2 (causal, top-left aligned).
-        backend: ``"auto"`` (triton for CUDA tensors when available, else torch), ``"torch"``, ``"triton"``,
-            ``"reference"``.
+        backend: ``"auto"`` (triton for CUDA tensors when available, else torch; a shape whose kernel needs more
+            shared memory than the GPU has runs on torch, with a ``RuntimeWarning``), ``"torch"``, ``"triton"``
+            (raises ``ValueError`` for such a shape), ``"reference"``.
         validate: check block ids against each sequence (one pass over ``topk_indices``); skipped while compiling.
 
     Returns:

@@ -1,0 +1,225 @@
+"""Every Triton kernel compiled for real GPUs, without one (``sparseops._triton.offline_compile``).
+
+The interpreter tests check what the kernels compute; they cannot tell whether a kernel compiles for a GPU, how
+much shared memory a program needs there, or whether it spills. Here the launchers run on CPU tensors with
+``launch`` swapped for a compile (Triton's bundled ``ptxas``) for ``sm_90`` (H100/H200), ``sm_80`` (A100) or
+``sm_86`` (consumer Ampere), with the exact constexprs, warps and stages of a real launch; the shared memory
+is checked against that GPU's limit through ``launch``'s own retry and error. Needs compiled Triton: skipped
+under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    pytest.skip("offline compile needs compiled Triton (TRITON_INTERPRET is set)", allow_module_level=True)
+pytest.importorskip("triton")
+
+from sparseops import _checks, _triton  # noqa: E402
+from sparseops.moe import triton_impl as moe_triton  # noqa: E402
+from sparseops.nsa import api  # noqa: E402
+from sparseops.nsa import triton_impl as nsa_triton  # noqa: E402
+
+FWD = ["nsa_fwd_kernel"]
+BWD = ["nsa_bwd_dq_kernel", "nsa_bwd_dkv_kernel"]
+DET = ["nsa_bwd_dq_kernel", "nsa_bwd_dkv_kernel", "nsa_bwd_reduce_kernel"]
+DQA = ["nsa_bwd_delta_kernel", "nsa_bwd_dkv_kernel"]
+
+
+def _nsa_inputs(G, Dqk, Dv, bs, K, dtype, N2=2, seqs=(37, 0, 21)):
+    """Small inputs of the given head / block shape (the grid size does not change the compiled kernel)."""
+    g = torch.Generator().manual_seed(0)
+    T = sum(seqs)
+    cu = [0]
+    for s in seqs:
+        cu.append(cu[-1] + s)
+    q = torch.randn(T, N2 * G, Dqk, generator=g).to(dtype)
+    k = torch.randn(T, N2, Dqk, generator=g).to(dtype)
+    v = torch.randn(T, N2, Dv, generator=g).to(dtype)
+    topk = torch.zeros(T, N2, K, dtype=torch.int32)
+    topk[:, :, K // 2:] = -1
+    m = torch.zeros(T, N2 * G)
+    l = torch.ones(T, N2 * G)
+    return q, k, v, topk, m, l, cu
+
+
+def _compile_nsa(arch, mode, G, Dqk, Dv, bs, K, dtype, monkeypatch):
+    """The launches of one forward (``fwd``) or backward (``bwd``, ``det``, ``dqa``) compiled for ``sm_<arch>``."""
+    q, k, v, topk, m, l, cu = _nsa_inputs(G, Dqk, Dv, bs, K, dtype)
+    monkeypatch.setattr(nsa_triton, "DQ_ATOMIC", mode == "dqa")
+    with _triton.offline_compile(arch) as launches:
+        if mode == "fwd":
+            nsa_triton.forward(q, k, v, topk, 0.1, bs, cu, cu, True)
+        else:
+            out = torch.zeros(q.shape[0], q.shape[1], Dv, dtype=dtype)
+            nsa_triton.backward(q, k, v, out, out, m, l, topk, 0.1, bs, cu, cu, True, deterministic=mode == "det")
+    return launches
+
+
+# (G, Dqk, Dv, bs, K, dtype): the paper's shape, the packed tiles (G < 16), odd dims and a padded block, the
+# documented limits (Dqk = Dv = 256, bs = 128, K = 128, G = 32), the smallest block and dims; fp16 twice
+BF, FP = torch.bfloat16, torch.float16
+NSA_SHAPES = [
+    pytest.param(16, 192, 128, 64, 16, BF, id="paper-G16-bf16"),
+    pytest.param(16, 192, 128, 64, 16, FP, id="paper-G16-fp16"),
+    pytest.param(1, 192, 128, 64, 16, BF, id="G1-packed16-bf16"),
+    pytest.param(3, 100, 72, 48, 5, FP, id="G3-odd-dims-bs48-fp16"),
+    pytest.param(8, 128, 128, 128, 16, BF, id="G8-bs128-bf16"),
+    pytest.param(32, 256, 256, 128, 128, BF, id="G32-limits-bf16"),
+    pytest.param(2, 16, 16, 16, 1, BF, id="G2-smallest-bf16"),
+]
+MODES = {"fwd": FWD, "bwd": BWD, "det": DET, "dqa": DQA}
+
+
+@pytest.mark.parametrize("G, Dqk, Dv, bs, K, dtype", NSA_SHAPES)
+def test_nsa_kernels_compile_and_fit_on_hopper(G, Dqk, Dv, bs, K, dtype, monkeypatch):
+    """Half precision, the whole documented envelope: every kernel compiles for sm_90 and fits with the stages it
+    asks for (no retry needed on the GPU the settings were chosen for)."""
+    dqa_fits = nsa_triton._dq_atomic_fits(bs, nsa_triton._head_blocks(Dqk, Dv))
+    for mode, kernels in MODES.items():
+        launches = _compile_nsa(90, mode, G, Dqk, Dv, bs, K, dtype, monkeypatch)
+        expected = kernels if mode != "dqa" or dqa_fits else BWD
+        assert [x.kernel for x in launches] == expected, mode
+        for x in launches:
+            assert x.arch == 90 and x.shared <= _triton.SHARED_LIMIT[90], x
+            assert x.num_stages is None or x.stages == x.num_stages, x
+
+
+def test_nsa_paper_shape_does_not_spill_on_hopper(monkeypatch):
+    """docs/nsa.md: at the paper's shape no kernel spills registers (checked in the cubin)."""
+    for G in (16, 1):
+        for mode in MODES:
+            for x in _compile_nsa(90, mode, G, 192, 128, 64, 16, torch.bfloat16, monkeypatch):
+                use = x.resources()
+                assert use["spill_bytes"] == 0, (G, mode, x, use)
+                assert 0 < use["registers"] <= 255, (x, use)
+
+
+def test_nsa_fp32_inputs_compile_at_the_paper_shape(monkeypatch):
+    """fp32 inputs (exact ``ieee`` dots: no tensor cores, a checking dtype on the GPU) fit at the paper's shape."""
+    for mode, kernels in MODES.items():
+        launches = _compile_nsa(90, mode, 16, 192, 128, 64, 16, torch.float32, monkeypatch)
+        assert [x.kernel for x in launches] == kernels, mode
+        assert all(x.shared <= _triton.SHARED_LIMIT[90] for x in launches)
+
+
+def test_nsa_shortfall_on_a_smaller_gpu_names_shape_need_limit_and_way_out(monkeypatch):
+    """Consumer Ampere (99 KiB per program) cannot hold the dK/dV kernel at Dqk = Dv = 256 (bs = 64), even
+    unpipelined; its forward and dQ fit there. The error is the launcher's, with the compiled kernel's real need."""
+    assert [x.kernel for x in _compile_nsa(86, "fwd", 16, 256, 256, 64, 16, torch.bfloat16, monkeypatch)] == FWD
+    with pytest.raises(_triton.DoesNotFit) as e:
+        _compile_nsa(86, "bwd", 16, 256, 256, 64, 16, torch.bfloat16, monkeypatch)
+    msg = str(e.value)
+    for part in ("nsa_bwd_dkv_kernel", "selected_block_size=64, Dqk=256, Dv=256", "bytes of shared memory",
+                 "sm_86", f"has {_triton.SHARED_LIMIT[86]} bytes", "backend='torch'"):
+        assert part in msg, (part, msg)
+    need = int(msg.split(" needs ")[1].split(" bytes")[0])
+    assert need > _triton.SHARED_LIMIT[86]
+
+
+def test_nsa_wide_key_blocks_fit_an_a100(monkeypatch):
+    """bs = 128 with Dqk = Dv = 256: the dK/dV kernel splits each key block over two programs of 64 key rows, so
+    it fits an A100's 163 KiB (a whole block needed 176 KiB even unpipelined) and spills at most a few bytes on
+    sm_90 (a whole block, at 16 warps, spilled ~700)."""
+    for mode in ("bwd", "det"):
+        launches = _compile_nsa(80, mode, 32, 256, 256, 128, 16, torch.bfloat16, monkeypatch)
+        [dkv] = [x for x in launches if x.kernel == "nsa_bwd_dkv_kernel"]
+        assert dkv.grid[1] == 2 and dkv.shared <= _triton.SHARED_LIMIT[80] and dkv.stages == dkv.num_stages
+    [dkv] = [x for x in _compile_nsa(90, "bwd", 16, 256, 256, 128, 16, torch.bfloat16, monkeypatch)
+             if x.kernel == "nsa_bwd_dkv_kernel"]
+    assert dkv.resources()["spill_bytes"] <= 32
+
+
+def test_nsa_fewer_stages_where_two_do_not_fit(monkeypatch):
+    """On consumer Ampere the forward at Dqk = Dv = 256, bs = 128 needs 140 KiB with two stages: the launcher
+    retries it with one, which fits."""
+    [x] = _compile_nsa(86, "fwd", 16, 256, 256, 128, 16, torch.bfloat16, monkeypatch)
+    assert (x.kernel, x.num_stages, x.stages) == ("nsa_fwd_kernel", 2, 1) and x.shared <= _triton.SHARED_LIMIT[86]
+
+
+def _grad_args(dtype, G=16, Dqk=256, Dv=256, bs=64, K=2):
+    q, k, v, topk, m, l, cu = _nsa_inputs(G, Dqk, Dv, bs, K, dtype, N2=1, seqs=(40, 25))
+    topk[:, :, 1] = -1
+    g = torch.Generator().manual_seed(1)
+    out = torch.randn(q.shape[0], q.shape[1], Dv, generator=g).to(dtype)
+    dout = torch.randn(q.shape[0], q.shape[1], Dv, generator=g).to(dtype)
+    stats = [torch.full((q.shape[0], q.shape[1], 8), x) for x in (0.5, 3.0)]
+    kw = dict(scale_value=1 / math.sqrt(Dqk), selected_block_size=bs, selected_block_count=K, head_num=q.shape[1],
+              actual_seq_qlen=cu[1:], actual_seq_kvlen=cu[1:], sparse_mode=2)
+    return (q, k, v, out, dout, *stats, topk), kw
+
+
+def test_auto_runs_torch_where_the_kernel_does_not_fit(monkeypatch):
+    """``backend="auto"`` on a GPU that cannot hold the dK/dV kernel: the torch path's exact result and a
+    ``RuntimeWarning``; an explicit ``backend="triton"`` raises. (The device is an offline sm_86 and ``auto`` is
+    made to choose Triton for CPU tensors: what it would choose for CUDA ones.)"""
+    args, kw = _grad_args(torch.bfloat16)
+    want = api.nsa_selected_attention_grad(*args, **kw, backend="torch")
+    real = _checks.resolve_backend
+    monkeypatch.setattr(_checks, "resolve_backend", lambda b, d: "triton" if b == "auto" else real(b, d))
+    monkeypatch.setattr(_checks, "triton_interpret", lambda: True)  # backend="triton" accepts CPU tensors
+    monkeypatch.setattr(_checks, "triton_available", lambda: True)
+    with _triton.offline_compile(86) as launches:
+        with pytest.warns(RuntimeWarning, match="nsa_bwd_dkv_kernel.*backend='auto' runs this shape on the torch"):
+            got = api.nsa_selected_attention_grad(*args, **kw, backend="auto")
+        with pytest.raises(ValueError, match="needs .* bytes of shared memory"):
+            api.nsa_selected_attention_grad(*args, **kw, backend="triton")
+    assert [x.kernel for x in launches] == ["nsa_bwd_dq_kernel"] * 2  # the dQ kernel fitted, then dK/dV did not
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_auto_keeps_triton_where_the_kernel_fits(monkeypatch):
+    """No warning and no torch fallback when the kernels fit (they are compiled, not run, so only the launches
+    are checked)."""
+    args, kw = _grad_args(torch.bfloat16, Dqk=192, Dv=128, bs=64)
+    monkeypatch.setattr(_checks, "resolve_backend", lambda b, d: "triton")
+    monkeypatch.setattr(_checks, "triton_available", lambda: True)
+    with _triton.offline_compile(90) as launches, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        api.nsa_selected_attention_grad(*args, **kw, backend="auto", deterministic=True)
+    assert [x.kernel for x in launches] == DET
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64],
+                         ids=["bf16", "fp16", "fp32", "fp64"])
+def test_moe_kernels_compile_and_fit(arch, dtype):
+    """The four MoE kernels at a model's hidden size (7168, the tiles' cap) and a small odd one, with and without
+    probs, compile for the GPU and fit."""
+    g = torch.Generator().manual_seed(0)
+    T, K = 6, 4
+    with _triton.offline_compile(arch) as launches:
+        for H in (7168, 33):
+            tokens = torch.randn(T, H, generator=g).to(dtype)
+            si = torch.randperm(T * K, generator=g)
+            for probs in (torch.rand(T, K, generator=g).to(dtype), None):
+                s, e = 3, 20
+                moe_triton.permute(tokens, si, probs, K, s, e)
+                perm = torch.randn(e - s, H, generator=g).to(dtype)
+                moe_triton.unpermute(perm, si, probs, K, s, e)
+                moe_triton.unpermute_grad(tokens, si, perm, probs, K, s, e)
+                moe_triton.permute_grad(perm, si, None if probs is None else probs.flatten()[: e - s], K, s, e)
+    names = [x.kernel for x in launches]
+    assert names == ["moe_permute_kernel", "moe_unpermute_kernel", "moe_unpermute_grad_kernel",
+                     "moe_unpermute_kernel"] * 4
+    assert all(x.shared <= _triton.SHARED_LIMIT[arch] for x in launches)
+
+
+def test_offline_compile_rejects_unknown_arch_and_nesting():
+    with pytest.raises(ValueError, match="arch: expected one of"):
+        with _triton.offline_compile(75):
+            pass
+    with _triton.offline_compile(90):
+        with pytest.raises(RuntimeError, match="does not nest"):
+            with _triton.offline_compile(80):
+                pass
+    from triton.runtime import driver
+
+    assert not isinstance(driver._active, _triton._OfflineDriver)  # restored on the way out
