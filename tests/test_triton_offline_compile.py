@@ -101,6 +101,19 @@ def test_nsa_paper_shape_does_not_spill_on_hopper(monkeypatch):
                 assert 0 < use["registers"] <= 255, (x, use)
 
 
+def test_nsa_dkv_rows_per_step_by_gpu_and_no_spill_on_an_a100(monkeypatch):
+    """The dK/dV kernel takes 32 tile rows per step on sm_90, 16 on mma.sync GPUs (sm_8x), where 32 spilled
+    ~3.6 KB per thread at the paper's shape; with 16 the A100 compile does not spill (G = 16, 4, 1)."""
+    for arch, rows in ((90, 32), (80, 16), (86, 16)):
+        [dkv] = [x for x in _compile_nsa(arch, "bwd", 4, 192, 128, 64, 16, torch.bfloat16, monkeypatch)
+                 if x.kernel == "nsa_bwd_dkv_kernel"]
+        assert dkv.meta["BLOCK_E"] * dkv.meta["BLOCK_G"] == rows, (arch, dkv.meta)
+    for G in (16, 4, 1):
+        for mode in ("bwd", "det"):
+            for x in _compile_nsa(80, mode, G, 192, 128, 64, 16, torch.bfloat16, monkeypatch):
+                assert x.resources()["spill_bytes"] == 0, (G, mode, x)
+
+
 def test_nsa_fp32_inputs_compile_at_the_paper_shape(monkeypatch):
     """fp32 inputs (exact ``ieee`` dots: no tensor cores, a checking dtype on the GPU) fit at the paper's shape."""
     for mode, kernels in MODES.items():
@@ -110,13 +123,14 @@ def test_nsa_fp32_inputs_compile_at_the_paper_shape(monkeypatch):
 
 
 def test_nsa_shortfall_on_a_smaller_gpu_names_shape_need_limit_and_way_out(monkeypatch):
-    """Consumer Ampere (99 KiB per program) cannot hold the dK/dV kernel at Dqk = Dv = 256 (bs = 64), even
-    unpipelined; its forward and dQ fit there. The error is the launcher's, with the compiled kernel's real need."""
-    assert [x.kernel for x in _compile_nsa(86, "fwd", 16, 256, 256, 64, 16, torch.bfloat16, monkeypatch)] == FWD
+    """Consumer Ampere (99 KiB per program) cannot hold the dK/dV kernel at G = 32, Dqk = Dv = 256 (one token's
+    32 heads per step), even unpipelined; its forward and dQ fit there. The error is the launcher's, with the
+    compiled kernel's real need."""
+    assert [x.kernel for x in _compile_nsa(86, "fwd", 32, 256, 256, 64, 16, torch.bfloat16, monkeypatch)] == FWD
     with pytest.raises(_triton.DoesNotFit) as e:
-        _compile_nsa(86, "bwd", 16, 256, 256, 64, 16, torch.bfloat16, monkeypatch)
+        _compile_nsa(86, "bwd", 32, 256, 256, 64, 16, torch.bfloat16, monkeypatch)
     msg = str(e.value)
-    for part in ("nsa_bwd_dkv_kernel", "selected_block_size=64, Dqk=256, Dv=256", "bytes of shared memory",
+    for part in ("nsa_bwd_dkv_kernel", "G=32, selected_block_count=16, selected_block_size=64, Dqk=256, Dv=256", "bytes of shared memory",
                  "sm_86", f"has {_triton.SHARED_LIMIT[86]} bytes", "backend='torch'"):
         assert part in msg, (part, msg)
     need = int(msg.split(" needs ")[1].split(" bytes")[0])
@@ -143,7 +157,7 @@ def test_nsa_fewer_stages_where_two_do_not_fit(monkeypatch):
     assert (x.kernel, x.num_stages, x.stages) == ("nsa_fwd_kernel", 2, 1) and x.shared <= _triton.SHARED_LIMIT[86]
 
 
-def _grad_args(dtype, G=16, Dqk=256, Dv=256, bs=64, K=2):
+def _grad_args(dtype, G=32, Dqk=256, Dv=256, bs=64, K=2):
     q, k, v, topk, m, l, cu = _nsa_inputs(G, Dqk, Dv, bs, K, dtype, N2=1, seqs=(40, 25))
     topk[:, :, 1] = -1
     g = torch.Generator().manual_seed(1)
@@ -178,7 +192,7 @@ def test_auto_runs_torch_where_the_kernel_does_not_fit(monkeypatch):
 def test_auto_keeps_triton_where_the_kernel_fits(monkeypatch):
     """No warning and no torch fallback when the kernels fit (they are compiled, not run, so only the launches
     are checked)."""
-    args, kw = _grad_args(torch.bfloat16, Dqk=192, Dv=128, bs=64)
+    args, kw = _grad_args(torch.bfloat16, G=16, Dqk=192, Dv=128, bs=64)
     monkeypatch.setattr(_checks, "resolve_backend", lambda b, d: "triton")
     monkeypatch.setattr(_checks, "triton_available", lambda: True)
     with _triton.offline_compile(90) as launches, warnings.catch_warnings():

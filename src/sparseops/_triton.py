@@ -53,6 +53,7 @@ class OfflineLaunch:
     num_stages: int | None  # what the launcher asked for
     stages: int  # what fitted (fewer than asked after a shared-memory retry)
     shared: int  # bytes per program
+    meta: dict = dataclasses.field(repr=False, default_factory=dict)  # the constexprs
     compiled: object = dataclasses.field(repr=False, default=None)
 
     @property
@@ -135,7 +136,7 @@ def _compile_offline(kernel, grid, args, opts: dict, meta: dict, shape: str, ask
     records.append(OfflineLaunch(
         kernel=getattr(kernel, "__name__", repr(kernel)), grid=tuple(grid), shape=shape, arch=arch,
         num_warps=opts["num_warps"], num_stages=asked, stages=compiled.metadata.num_stages, shared=shared,
-        compiled=compiled,
+        meta=dict(meta), compiled=compiled,
     ))
 
 
@@ -174,6 +175,17 @@ def launch(kernel, grid, device: torch.device, args, *, num_warps: int, num_stag
         if stages != num_stages:
             _STAGES[key] = stages
         return
+
+
+def arch(device: torch.device) -> int:
+    """Compute capability as ``major * 10 + minor`` of the GPU a launch on ``device`` targets: the offline target
+    inside ``offline_compile``; 90 for the interpreter (CPU tensors), whose results do not depend on it."""
+    if _OFFLINE is not None:
+        return _OFFLINE[0]
+    if device.type != "cuda":
+        return 90
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
 
 
 def _device_name(device: torch.device) -> str:

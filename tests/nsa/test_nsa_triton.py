@@ -284,6 +284,20 @@ def test_dq_atomic_fully_masked_rows_and_no_keys(monkeypatch):
         assert g.shape == t.shape and g.dtype == t.dtype and (g == 0).all()
 
 
+@pytest.mark.parametrize("N1", [16, 2], ids=["G16-one-token-per-step", "G2-eight-tokens-per-step"])
+def test_dkv_rows_of_mma_sync_gpus(monkeypatch, N1):
+    """On sm_8x the dK/dV kernel steps over 16 tile rows instead of 32 (``DKV_ROWS_SM8X``); same results."""
+    monkeypatch.setattr(triton_impl._triton, "arch", lambda device: 80)
+    seen = []
+    real = triton_impl._triton.launch
+    monkeypatch.setattr(triton_impl._triton, "launch",
+                        lambda kern, *a, **kw: seen.append(kw.get("BLOCK_E", 0) * kw.get("BLOCK_G", 0))
+                        or real(kern, *a, **kw))
+    c = _case([5, 11], N1=N1, N2=1, Dqk=48, Dv=24, bs=16, K=3, duplicates=True, empty_frac=0.2)
+    _check(c, torch.float32)
+    assert 16 in seen and 32 not in seen
+
+
 def test_dq_atomic_only_where_it_fits():
     """The dQ-in-dK/dV variant needs more shared memory; shapes where it would not fit keep the dQ kernel."""
     h = triton_impl._head_blocks

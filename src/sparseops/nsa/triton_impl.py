@@ -33,8 +33,11 @@ from .._varlen import seq_lengths, token_seq_positions
 
 #: entries (query tokens) per dK/dV program; also sizes the deterministic workspace
 CHUNK = 256
-#: target tile rows (tokens x heads) per step of the dK/dV kernel
+#: target tile rows (tokens x heads) per step of the dK/dV kernel (sm_90 and newer)
 DKV_ROWS = 32
+#: the same on mma.sync GPUs (sm_8x): with 32 rows the kernel spills ~3.6 KB per thread at the paper's shape on
+#: an A100 (192 = 128 + 64 head split), with 16 none (offline compile; docs/nsa.md)
+DKV_ROWS_SM8X = 16
 #: key rows per dK/dV program: a wider (padded) block is split over programs (bs = 128: two of 64 rows), so
 #: its K/V rows and fp32 accumulators fit in shared memory and registers (offline compile, docs/nsa.md)
 DKV_KEY_ROWS = 64
@@ -330,7 +333,7 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     if ix["n_blocks"] == 0:
         return dq32.to(q.dtype) if dq_atomic else dq, torch.zeros_like(k), torch.zeros_like(v)
     gk = _next_pow2(G)
-    block_e = max(1, DKV_ROWS // gk)
+    block_e = max(1, (DKV_ROWS if _triton.arch(dev) >= 90 else DKV_ROWS_SM8X) // gk)
     key_rows = _dkv_key_rows(bs)
     common = dict(
         N1=N1, N2=N2, G=G, BS=bs, BLOCK_BS=block_bs, BLOCK_KR=key_rows, Dqk=Dqk, Dv=Dv, BLOCK_G=gk, BLOCK_E=block_e,
