@@ -370,11 +370,13 @@ def tune(device, cfg, smoke=False, on_step=None):
     # the forward's out and stats with the base settings, the backward's inputs for every variant
     fwd = {name: triton_impl.forward(q, k, v, ids, sc, bs, cu, cu, True) for name, ids in selections.items()}
     dout = torch.randn_like(fwd["uniform"][0])
-    names = ("FWD_STAGES", "DKV_ROWS", "DKV_WARPS", "DKV_STAGES", "CHUNK", "DQ_ATOMIC", "PACK_ROWS")
+    names = ("FWD_STAGES", "DKV_ROWS", "DKV_WARPS", "DKV_STAGES", "CHUNK", "DQ_ATOMIC", "PACK_ROWS", "DKV_KEY_ROWS")
     base = {n: getattr(triton_impl, n) for n in names}
     # most telling first: a run cut short by its time limit keeps the variants it finished
-    variants = [{}, {"DKV_ROWS": 64}, {"DQ_ATOMIC": True}, {"CHUNK": 64}] if smoke else [
-        {}, {"DQ_ATOMIC": True}, {"DKV_ROWS": 64}, {"DQ_ATOMIC": True, "DKV_ROWS": 16}, {"FWD_STAGES": 3},
+    # (DKV_KEY_ROWS = 32: two dK/dV programs per 64-key block, half the shared memory each, q/dY gathered twice)
+    variants = [{}, {"DKV_ROWS": 64}, {"DQ_ATOMIC": True}, {"CHUNK": 64}, {"DKV_KEY_ROWS": 16}] if smoke else [
+        {}, {"DQ_ATOMIC": True}, {"DKV_ROWS": 64}, {"DQ_ATOMIC": True, "DKV_ROWS": 16}, {"DKV_KEY_ROWS": 32},
+        {"FWD_STAGES": 3},
         {"FWD_STAGES": 1}, {"DKV_ROWS": 16}, {"DKV_STAGES": 3}, {"DKV_STAGES": 1}, {"CHUNK": 64}, {"CHUNK": 1024},
         {"DKV_WARPS": 4}]
     # (settings, selection, time the deterministic backward too); the first run of a selection is its base
@@ -465,7 +467,7 @@ def main():
     bw = meta["copy_gbps"] = copy_gbps(device, smoke)
     print(f"bf16 matmul 8192^3: {mm:.1f} TFLOP/s; device copy (1 GiB clone): {bw:.0f} GB/s", flush=True)
     if smoke:
-        cfg = dict(N2=2, Dqk=32, Dv=16, bs=16, K=2)
+        cfg = dict(N2=2, Dqk=32, Dv=16, bs=32, K=2)
         rows_todo = [(48, 2), (48, 1)]
         dtype = torch.float32
     else:
