@@ -309,50 +309,23 @@ def run_row(device, T, G, dtype, smoke, cfg):
 
 def compile_check(Gs=(1, 4, 16, 32), cfg=None, arch=90):
     """Compile every launch of the forward and the three backward variants for ``sm_<arch>`` without a GPU
-    (``sparseops._triton.offline_compile``: the launchers' own constexprs, warps and stages) and print each
-    kernel's shared memory, registers and spill stack. Returns the rows."""
+    (``triton_impl.compile_report``, as ``sparseops fit``) at each G and print each kernel's shared memory,
+    registers and spill stack. Returns the rows, each with its G."""
     from sparseops import _triton
+    from sparseops.cli import fit_lines
 
     cfg = cfg or PAPER
-    N2, Dqk, Dv, bs, K = cfg["N2"], cfg["Dqk"], cfg["Dv"], cfg["bs"], cfg["K"]
-    rows = []
+    shape = {k: cfg[k] for k in ("N2", "Dqk", "Dv", "bs", "K")}
     print(f"sm_{arch} ({_triton.GPU_NAMES[arch]}), {_triton.SHARED_LIMIT[arch]} bytes of shared memory per program; "
-          f"N2={N2} Dqk={Dqk} Dv={Dv} bs={bs} K={K}, bf16")
+          + ", ".join(f"{k}={v}" for k, v in shape.items()) + ", bf16")
+    rows = []
     for G in Gs:
-        q, k, v, topk, cu = make_inputs([40, 25], N2=N2, G=G, Dqk=Dqk, Dv=Dv, bs=bs, K=K, dtype=torch.bfloat16,
-                                        device="cpu")
-        T1, N1 = q.shape[:2]
-        out = torch.zeros(T1, N1, Dv, dtype=q.dtype)
-        m, l = torch.zeros(T1, N1), torch.ones(T1, N1)
-        tile = triton_impl._q_tile(G, K, bs, triton_impl._head_blocks(Dqk, Dv))[0]
+        tile = triton_impl._q_tile(G, shape["K"], shape["bs"], triton_impl._head_blocks(shape["Dqk"], shape["Dv"]))[0]
         print(f"G={G}: forward / dQ tiles of {tile['PACK']} token(s) x {tile['BLOCK_G']} head rows")
-        for label, det, dqa in (("forward", None, False), ("backward", False, False),
-                                ("deterministic", True, False), ("DQ_ATOMIC", False, True)):
-            old = triton_impl.DQ_ATOMIC
-            triton_impl.DQ_ATOMIC = dqa
-            try:
-                with _triton.offline_compile(arch) as launches:
-                    if det is None:
-                        triton_impl.forward(q, k, v, topk, 0.1, bs, cu, cu, True)
-                    else:
-                        triton_impl.backward(q, k, v, out, out, m, l, topk, 0.1, bs, cu, cu, True, deterministic=det)
-                err = None
-            except ValueError as e:  # does not fit this GPU
-                err = str(e)
-            finally:
-                triton_impl.DQ_ATOMIC = old
-            if err:
-                print(f"  {label:<14} does not fit: {err}")
-                rows.append({"G": G, "variant": label, "error": err})
-                continue
-            for x in launches:
-                use = x.resources()
-                row = {"G": G, "variant": label, "kernel": x.kernel, "warps": x.num_warps, "stages": x.stages,
-                       "shared": x.shared, **use}
-                rows.append(row)
-                print(f"  {label:<14} {x.kernel:<24} warps={x.num_warps:<2} stages={x.stages} "
-                      f"smem={x.shared / 1024:>6.1f} KiB  regs={use['registers']:<3} spill={use['spill_bytes']} B",
-                      flush=True)
+        got = triton_impl.compile_report(arch, G=G, **shape)
+        for line in fit_lines(got):
+            print(line, flush=True)
+        rows += [{"G": G, **r} for r in got]
     return rows
 
 

@@ -58,7 +58,7 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip() == f"sparseops {sparseops.__version__}"
 
 
-@pytest.mark.parametrize("sub", [[], ["info"], ["check"], ["bench"]], ids=["top", "info", "check", "bench"])
+@pytest.mark.parametrize("sub", [[], ["info"], ["check"], ["bench"], ["fit"]], ids=["top", "info", "check", "bench", "fit"])
 def test_help(sub, capsys):
     with pytest.raises(SystemExit) as ei:
         cli.main([*sub, "--help"])
@@ -69,6 +69,8 @@ def test_help(sub, capsys):
         assert "--backend" in out and "--dtype" in out and "--seed" in out and "--tiny" in out
     if sub == ["bench"]:
         assert "--quick" in out and "--smoke" in out and "--out" in out and "--op" in out
+    if sub == ["fit"]:
+        assert "--arch" in out and "--block-size" in out and "--dtype" in out
 
 
 def test_no_subcommand_prints_help_and_returns_2(capsys):
@@ -291,3 +293,46 @@ def test_bench_moe_smoke(tmp_path, capsys):
     assert rc == 0, out
     assert "benchmarks/moe.py" in out
     assert any(tmp_path.iterdir()), "the benchmark wrote nothing into --out"
+
+
+def _compiled_triton():
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("sparseops fit needs compiled Triton")
+
+
+def test_fit_paper_shape_on_hopper(capsys):
+    """``sparseops fit``: every launch of the forward and the three backward variants, compiled for sm_90."""
+    _compiled_triton()
+    assert cli.main(["fit", "--arch", "90", "--kv-heads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "compiled for sm_90 (H100 / H200, 227 KiB" in out and "G=16, N2=1, Dqk=192, Dv=128, bs=64, K=16" in out
+    for variant, kernel in (("forward", "nsa_fwd_kernel"), ("backward", "nsa_bwd_dkv_kernel"),
+                            ("deterministic", "nsa_bwd_reduce_kernel"), ("DQ_ATOMIC", "nsa_bwd_delta_kernel")):
+        assert any(line.split()[:2] == [variant, kernel] for line in out.splitlines()), (variant, kernel, out)
+    assert "fits: backend='triton'" in out and "without register spills" in out
+
+
+def test_fit_shape_that_does_not_fit_returns_1(capsys):
+    _compiled_triton()
+    assert cli.main(["fit", "--arch", "86", "-G", "32", "--kv-heads", "1", "--dqk", "256", "--dv", "256"]) == 1
+    out = capsys.readouterr().out
+    assert "backward       does not fit: nsa_bwd_dkv_kernel: G=32" in out and "101376 bytes" in out
+    assert "does not fit: DQ_ATOMIC, backward, deterministic" in out and "'auto' runs the torch path" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--block-size", "63"], "selected_block_size: expected a multiple of 16, got 63"),
+    (["--dv", "256"], "value"),  # Dv > Dqk
+    (["--dtype", "fp32", "--block-count", "0"], "selected_block_count"),
+])
+def test_fit_bad_shape_is_a_usage_error(args, message, capsys):
+    _compiled_triton()
+    assert cli.main(["fit", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_fit_under_the_interpreter_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert cli.main(["fit"]) == 2
+    assert "unset TRITON_INTERPRET" in capsys.readouterr().err

@@ -364,3 +364,48 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     _triton.launch(kern.nsa_bwd_dkv_kernel, grid, dev, (*args, dk32, dv32, dk32, dv32, dq32, float(scale)),
                    DETERMINISTIC=False, DQ_ATOMIC=dq_atomic, **common)
     return dq32.to(q.dtype) if dq_atomic else dq, dk32.to(k.dtype), dv32.to(v.dtype)
+
+
+def compile_report(arch: int, *, G: int, N2: int = 1, Dqk: int, Dv: int, bs: int, K: int,
+                   dtype: torch.dtype = torch.bfloat16, causal: bool = True) -> list[dict]:
+    """Compile, without running and without a GPU, every launch of the forward and of the three backward variants
+    (atomic, deterministic, ``DQ_ATOMIC``) for ``sm_<arch>`` at this shape (``_triton.offline_compile``).
+
+    The shape is checked like the op's arguments first (``ValueError`` / ``TypeError``). Returns one dict per
+    launch, ``{"variant", "kernel", "warps", "stages", "shared", "registers", "spill_bytes"}``, or per variant
+    that does not fit that GPU ``{"variant", "error"}`` (what ``backend="triton"`` would raise there).
+    """
+    global DQ_ATOMIC
+    from . import api
+
+    _check_dtype(torch.empty(0, dtype=dtype))
+    seqs = [3 * max(bs, 16) // 2, 5]  # a partial last key block, a second sequence
+    T = sum(seqs)
+    q = torch.zeros(T, N2 * G, Dqk, dtype=dtype)
+    k = torch.zeros(T, N2, Dqk, dtype=dtype)
+    v = torch.zeros(T, N2, Dv, dtype=dtype)
+    topk = torch.zeros(T, N2, K, dtype=torch.int32)
+    cum = [seqs[0], T]
+    scale, bs, cu_q, cu_kv, causal, _ = api._check_args(
+        q, k, v, topk, 1.0, N2 * G, bs, K, None, cum, cum, 2 if causal else 0, "TND", True)
+    out = torch.zeros(T, N2 * G, Dv, dtype=dtype)
+    m, l = torch.zeros(T, N2 * G), torch.ones(T, N2 * G)
+    rows = []
+    for variant, det, dqa in (("forward", None, False), ("backward", False, False),
+                              ("deterministic", True, False), ("DQ_ATOMIC", False, True)):
+        saved, DQ_ATOMIC = DQ_ATOMIC, dqa
+        try:
+            with _triton.offline_compile(arch) as launches:
+                if det is None:
+                    forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal)
+                else:
+                    backward(q, k, v, out, out, m, l, topk, scale, bs, cu_q, cu_kv, causal, deterministic=det)
+        except _triton.DoesNotFit as e:
+            rows.append({"variant": variant, "error": str(e)})
+            continue
+        finally:
+            DQ_ATOMIC = saved
+        for x in launches:
+            rows.append({"variant": variant, "kernel": x.kernel, "warps": x.num_warps, "stages": x.stages,
+                         "shared": x.shared, **x.resources()})
+    return rows
