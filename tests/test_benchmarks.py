@@ -137,5 +137,5 @@ def test_gpu_nsa_compile_check_reports_every_variant():
                        ("deterministic", "nsa_bwd_dkv_kernel"), ("deterministic", "nsa_bwd_reduce_kernel"),
                        ("DQ_ATOMIC", "nsa_bwd_delta_kernel"), ("DQ_ATOMIC", "nsa_bwd_dkv_kernel")}
     assert all(0 < r["registers"] <= 255 and r["shared"] <= 232448 for r in rows)
-    rows = gpu_nsa.compile_check(Gs=(32,), cfg=dict(N2=1, Dqk=256, Dv=256, bs=64, K=2), arch=86)
+    rows = gpu_nsa.compile_check(Gs=(32,), cfg=dict(N2=1, Dqk=256, Dv=256, bs=128, K=2), arch=86)
     assert [r["variant"] for r in rows if "error" in r] == ["backward", "deterministic", "DQ_ATOMIC"]

@@ -315,9 +315,10 @@ def test_fit_paper_shape_on_hopper(capsys):
 
 def test_fit_shape_that_does_not_fit_returns_1(capsys):
     _compiled_triton()
-    assert cli.main(["fit", "--arch", "86", "-G", "32", "--kv-heads", "1", "--dqk", "256", "--dv", "256"]) == 1
+    assert cli.main(["fit", "--arch", "86", "-G", "32", "--kv-heads", "1", "--dqk", "256", "--dv", "256",
+                     "--block-size", "128"]) == 1
     out = capsys.readouterr().out
-    assert "backward       does not fit: nsa_bwd_dkv_kernel: G=32" in out and "101376 bytes" in out
+    assert "backward       does not fit: nsa_bwd_dq_kernel: G=32" in out and "101376 bytes" in out
     assert "does not fit: DQ_ATOMIC, backward, deterministic" in out and "'auto' runs the torch path" in out
 
 

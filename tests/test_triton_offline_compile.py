@@ -103,12 +103,13 @@ def test_nsa_paper_shape_does_not_spill_on_hopper(monkeypatch):
 
 def test_nsa_dkv_rows_per_step_by_gpu_and_no_spill_on_an_a100(monkeypatch):
     """The dK/dV kernel takes 32 tile rows per step on sm_90, 16 on mma.sync GPUs (sm_8x), where 32 spilled
-    ~3.6 KB per thread at the paper's shape; with 16 the A100 compile does not spill (G = 16, 4, 1)."""
-    for arch, rows in ((90, 32), (80, 16), (86, 16)):
-        [dkv] = [x for x in _compile_nsa(arch, "bwd", 4, 192, 128, 64, 16, torch.bfloat16, monkeypatch)
+    ~3.6 KB per thread at the paper's shape; G = 32 there takes half a token's heads per step (two head groups).
+    With 16 rows the A100 compile does not spill (G = 32, 16, 4, 1)."""
+    for arch, G, rows, groups in ((90, 4, 32, 1), (80, 4, 16, 1), (86, 4, 16, 1), (90, 32, 32, 1), (80, 32, 16, 2)):
+        [dkv] = [x for x in _compile_nsa(arch, "bwd", G, 192, 128, 64, 16, torch.bfloat16, monkeypatch)
                  if x.kernel == "nsa_bwd_dkv_kernel"]
-        assert dkv.meta["BLOCK_E"] * dkv.meta["BLOCK_G"] == rows, (arch, dkv.meta)
-    for G in (16, 4, 1):
+        assert dkv.meta["BLOCK_E"] * dkv.meta["BLOCK_G"] == rows and dkv.meta["HG"] == groups, (arch, G, dkv.meta)
+    for G in (32, 16, 4, 1):
         for mode in ("bwd", "det"):
             for x in _compile_nsa(80, mode, G, 192, 128, 64, 16, torch.bfloat16, monkeypatch):
                 assert x.resources()["spill_bytes"] == 0, (G, mode, x)
@@ -123,15 +124,15 @@ def test_nsa_fp32_inputs_compile_at_the_paper_shape(monkeypatch):
 
 
 def test_nsa_shortfall_on_a_smaller_gpu_names_shape_need_limit_and_way_out(monkeypatch):
-    """Consumer Ampere (99 KiB per program) cannot hold the dK/dV kernel at G = 32, Dqk = Dv = 256 (one token's
-    32 heads per step), even unpipelined; its forward and dQ fit there. The error is the launcher's, with the
-    compiled kernel's real need."""
-    assert [x.kernel for x in _compile_nsa(86, "fwd", 32, 256, 256, 64, 16, torch.bfloat16, monkeypatch)] == FWD
+    """Consumer Ampere (99 KiB per program) cannot hold the dQ kernel at G = 32, Dqk = Dv = 256, bs = 128 (a
+    token's 32 heads against a 128-key block), even unpipelined; the forward fits there with one stage. The error
+    is the launcher's, with the compiled kernel's real need."""
+    assert [x.kernel for x in _compile_nsa(86, "fwd", 32, 256, 256, 128, 16, torch.bfloat16, monkeypatch)] == FWD
     with pytest.raises(_triton.DoesNotFit) as e:
-        _compile_nsa(86, "bwd", 32, 256, 256, 64, 16, torch.bfloat16, monkeypatch)
+        _compile_nsa(86, "bwd", 32, 256, 256, 128, 16, torch.bfloat16, monkeypatch)
     msg = str(e.value)
-    for part in ("nsa_bwd_dkv_kernel", "G=32, selected_block_count=16, selected_block_size=64, Dqk=256, Dv=256", "bytes of shared memory",
-                 "sm_86", f"has {_triton.SHARED_LIMIT[86]} bytes", "backend='torch'"):
+    for part in ("nsa_bwd_dq_kernel", "G=32, selected_block_count=16, selected_block_size=128, Dqk=256, Dv=256",
+                 "bytes of shared memory", "sm_86", f"has {_triton.SHARED_LIMIT[86]} bytes", "backend='torch'"):
         assert part in msg, (part, msg)
     need = int(msg.split(" needs ")[1].split(" bytes")[0])
     assert need > _triton.SHARED_LIMIT[86]
@@ -157,7 +158,7 @@ def test_nsa_fewer_stages_where_two_do_not_fit(monkeypatch):
     assert (x.kernel, x.num_stages, x.stages) == ("nsa_fwd_kernel", 2, 1) and x.shared <= _triton.SHARED_LIMIT[86]
 
 
-def _grad_args(dtype, G=32, Dqk=256, Dv=256, bs=64, K=2):
+def _grad_args(dtype, G, Dqk, Dv, bs, K=2):
     q, k, v, topk, m, l, cu = _nsa_inputs(G, Dqk, Dv, bs, K, dtype, N2=1, seqs=(40, 25))
     topk[:, :, 1] = -1
     g = torch.Generator().manual_seed(1)
@@ -169,30 +170,40 @@ def _grad_args(dtype, G=32, Dqk=256, Dv=256, bs=64, K=2):
     return (q, k, v, out, dout, *stats, topk), kw
 
 
-def test_auto_runs_torch_where_the_kernel_does_not_fit(monkeypatch):
-    """``backend="auto"`` on a GPU that cannot hold the dK/dV kernel: the torch path's exact result and a
+@pytest.mark.parametrize("dtype, G, Dqk, Dv, bs, dq_atomic, launched", [
+    # the dQ kernel, the backward's first launch, does not fit
+    (torch.bfloat16, 32, 256, 256, 128, False, []),
+    # fp32 with DQ_ATOMIC: the D kernel runs, then the dK/dV kernel does not fit
+    (torch.float32, 16, 192, 128, 64, True, ["nsa_bwd_delta_kernel"]),
+], ids=["bf16-dq-does-not-fit", "fp32-dkv-does-not-fit-after-a-launch"])
+def test_auto_runs_torch_where_a_kernel_does_not_fit(monkeypatch, dtype, G, Dqk, Dv, bs, dq_atomic, launched):
+    """``backend="auto"`` on a GPU that cannot hold a backward kernel: the torch path's exact result and a
     ``RuntimeWarning``; an explicit ``backend="triton"`` raises. (The device is an offline sm_86 and ``auto`` is
     made to choose Triton for CPU tensors: what it would choose for CUDA ones.)"""
-    args, kw = _grad_args(torch.bfloat16)
+    args, kw = _grad_args(dtype, G, Dqk, Dv, bs)
     want = api.nsa_selected_attention_grad(*args, **kw, backend="torch")
+    before = [a.clone() for a in args]
     real = _checks.resolve_backend
     monkeypatch.setattr(_checks, "resolve_backend", lambda b, d: "triton" if b == "auto" else real(b, d))
     monkeypatch.setattr(_checks, "triton_interpret", lambda: True)  # backend="triton" accepts CPU tensors
     monkeypatch.setattr(_checks, "triton_available", lambda: True)
+    monkeypatch.setattr(nsa_triton, "DQ_ATOMIC", dq_atomic)
     with _triton.offline_compile(86) as launches:
-        with pytest.warns(RuntimeWarning, match="nsa_bwd_dkv_kernel.*backend='auto' runs this shape on the torch"):
+        with pytest.warns(RuntimeWarning, match="nsa_bwd_d.*backend='auto' runs this shape on the torch path"):
             got = api.nsa_selected_attention_grad(*args, **kw, backend="auto")
         with pytest.raises(ValueError, match="needs .* bytes of shared memory"):
             api.nsa_selected_attention_grad(*args, **kw, backend="triton")
-    assert [x.kernel for x in launches] == ["nsa_bwd_dq_kernel"] * 2  # the dQ kernel fitted, then dK/dV did not
+    assert [x.kernel for x in launches] == launched * 2
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+    for a, b in zip(args, before):
+        assert torch.equal(a, b)  # the caller's tensors are untouched
 
 
 def test_auto_keeps_triton_where_the_kernel_fits(monkeypatch):
     """No warning and no torch fallback when the kernels fit (they are compiled, not run, so only the launches
     are checked)."""
-    args, kw = _grad_args(torch.bfloat16, G=16, Dqk=192, Dv=128, bs=64)
+    args, kw = _grad_args(torch.bfloat16, 16, 192, 128, 64)
     monkeypatch.setattr(_checks, "resolve_backend", lambda b, d: "triton")
     monkeypatch.setattr(_checks, "triton_available", lambda: True)
     with _triton.offline_compile(90) as launches, warnings.catch_warnings():

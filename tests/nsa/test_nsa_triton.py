@@ -284,9 +284,12 @@ def test_dq_atomic_fully_masked_rows_and_no_keys(monkeypatch):
         assert g.shape == t.shape and g.dtype == t.dtype and (g == 0).all()
 
 
-@pytest.mark.parametrize("N1", [16, 2], ids=["G16-one-token-per-step", "G2-eight-tokens-per-step"])
+@pytest.mark.parametrize("N1", [16, 2, 32, 24],
+                         ids=["G16-one-token-per-step", "G2-eight-tokens-per-step", "G32-half-a-token-per-step",
+                              "G24-padded-head-groups"])
 def test_dkv_rows_of_mma_sync_gpus(monkeypatch, N1):
-    """On sm_8x the dK/dV kernel steps over 16 tile rows instead of 32 (``DKV_ROWS_SM8X``); same results."""
+    """On sm_8x the dK/dV kernel steps over 16 tile rows instead of 32 (``DKV_ROWS_SM8X``); with G > 16 a step
+    takes one group of 16 of a token's heads (G = 24: the second group has 8 live heads); same results."""
     monkeypatch.setattr(triton_impl._triton, "arch", lambda device: 80)
     seen = []
     real = triton_impl._triton.launch
@@ -296,6 +299,12 @@ def test_dkv_rows_of_mma_sync_gpus(monkeypatch, N1):
     c = _case([5, 11], N1=N1, N2=1, Dqk=48, Dv=24, bs=16, K=3, duplicates=True, empty_frac=0.2)
     _check(c, torch.float32)
     assert 16 in seen and 32 not in seen
+    if N1 > 16:
+        ref = _bwd(reference, c, *_fwd(reference, c, upcast=True), upcast=True)
+        out, m, l = _fwd(triton_impl, c)
+        monkeypatch.setattr(triton_impl, "DQ_ATOMIC", True)
+        for name, g, r in zip(("dq", "dk", "dv"), _bwd(triton_impl, c, out, m, l), ref):
+            testing.assert_close(g, r, torch.float32, f"{name} (DQ_ATOMIC)")
 
 
 def test_dq_atomic_only_where_it_fits():

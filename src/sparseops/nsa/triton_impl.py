@@ -332,11 +332,15 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     ix = build_inverse_index(topk, seq_id, bs, cu_kv, CHUNK)
     if ix["n_blocks"] == 0:
         return dq32.to(q.dtype) if dq_atomic else dq, torch.zeros_like(k), torch.zeros_like(v)
-    gk = _next_pow2(G)
-    block_e = max(1, (DKV_ROWS if _triton.arch(dev) >= 90 else DKV_ROWS_SM8X) // gk)
+    rows = DKV_ROWS if _triton.arch(dev) >= 90 else DKV_ROWS_SM8X
+    # a step's tile rows: BLOCK_E tokens x all their heads, or one group of `rows` heads of one token
+    gk = min(_next_pow2(G), max(16, rows))
+    hg = _next_pow2(G) // gk
+    block_e = max(1, rows // gk)
     key_rows = _dkv_key_rows(bs)
     common = dict(
-        N1=N1, N2=N2, G=G, BS=bs, BLOCK_BS=block_bs, BLOCK_KR=key_rows, Dqk=Dqk, Dv=Dv, BLOCK_G=gk, BLOCK_E=block_e,
+        N1=N1, N2=N2, G=G, BS=bs, BLOCK_BS=block_bs, BLOCK_KR=key_rows, Dqk=Dqk, Dv=Dv,
+        BLOCK_G=gk, HG=hg, BLOCK_E=block_e,
         CAUSAL=bool(causal), **heads, **dots, num_warps=_dkv_warps(bs, heads), num_stages=DKV_STAGES, shape=shape,
         USE_WHILE=_interpreting(),
     )

@@ -299,18 +299,23 @@ def nsa_bwd_dq_kernel(
 
 @triton.jit
 def _dkv_step(
-    i_e, e1, q, do, m_in, l_in, delta, ent_tok, tok_pos, p0, i_n2, o_r, m_r, o_xe, o_xg, m_xg,
+    i_p, p1, q, do, m_in, l_in, delta, ent_tok, tok_pos, p0, i_n2, o_r, m_r, o_xe, o_xg,
     o_d1, m_d1, o_d2, m_d2, o_dv, m_dv, b_k1, b_k2, b_v, b_dk1, b_dk2, b_dv, dq, scale,
-    N1: tl.constexpr, G: tl.constexpr, Dqk: tl.constexpr, Dv: tl.constexpr, HAS_D2: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    N1: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, HG: tl.constexpr, Dqk: tl.constexpr,
+    Dv: tl.constexpr, HAS_D2: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
 ):
-    """One step of the dK/dV kernel: entries [i_e, i_e + BLOCK_E) of the chunk, all heads as tile rows.
+    """One step of the dK/dV kernel: (entry, head group) pairs [i_p, i_p + BLOCK_E) of the chunk, the group's
+    BLOCK_G heads as tile rows (pair p: entry p // HG, heads (p % HG) * BLOCK_G + 0..BLOCK_G-1; HG = 1 but
+    where a token's heads are more rows than a step takes).
     DQ_ATOMIC: also add the entries' dQ rows ``scale * dS Kb`` into the fp32 ``dq`` with atomics."""
-    o_e = i_e + o_xe
-    m_x = (o_e < e1) & m_xg
+    o_p = i_p + o_xe
+    o_e = o_p // HG
+    o_g = (o_p % HG) * BLOCK_G + o_xg
+    m_x = (o_p < p1) & (o_g < G)
     o_t = tl.load(ent_tok + o_e, mask=m_x, other=0).to(tl.int64)
     o_s1 = tl.load(tok_pos + o_t, mask=m_x, other=0).to(tl.int64)
-    o_h = o_t * N1 + i_n2 * G + o_xg
+    o_h = o_t * N1 + i_n2 * G + o_g
     # [ROWS, BLOCK_D1], [ROWS, BLOCK_D2]
     b_q1, b_q2 = _load_split(q, o_h, m_x, o_d1, m_d1, o_d2, m_d2, Dqk, HAS_D2, DOT)
     # [ROWS, BLOCK_DV]
@@ -357,7 +362,7 @@ def nsa_bwd_dkv_kernel(
     scale,
     N1: tl.constexpr, N2: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, BLOCK_BS: tl.constexpr,
     BLOCK_KR: tl.constexpr, Dqk: tl.constexpr, Dv: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_G: tl.constexpr, HG: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, HAS_D2: tl.constexpr,
     BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
     DETERMINISTIC: tl.constexpr, DQ_ATOMIC: tl.constexpr, USE_WHILE: tl.constexpr,
@@ -365,7 +370,7 @@ def nsa_bwd_dkv_kernel(
     """dK/dV, key-block-major: one program per chunk of the (sorted) list of query tokens that selected
     one key block of one KV head, and per BLOCK_KR of the block's (padded) BLOCK_BS key rows (grid axis 1;
     a wide block is split so that its K/V rows and fp32 accumulators fit). Each step gathers BLOCK_E such
-    tokens x BLOCK_G heads as tile rows.
+    tokens x BLOCK_G heads as tile rows (or, HG > 1, one group of BLOCK_G of a token's HG * BLOCK_G heads).
     DETERMINISTIC: the chunk's fp32 partial goes to its own workspace slot (reduced in order later);
     else it is added into the fp32 dk/dv buffers with atomics. DQ_ATOMIC (never with DETERMINISTIC): dQ is
     computed here too, added per step into the fp32 ``dq`` with atomics (no query-major dQ kernel)."""
@@ -385,7 +390,6 @@ def nsa_bwd_dkv_kernel(
     o_x = tl.arange(0, ROWS)
     o_xe = o_x // BLOCK_G
     o_xg = o_x % BLOCK_G
-    m_xg = o_xg < G
     # this program's key rows of the block
     o_r = tl.program_id(1) * BLOCK_KR + tl.arange(0, BLOCK_KR)
     m_r = o_r < nb
@@ -411,20 +415,20 @@ def nsa_bwd_dkv_kernel(
 
     if USE_WHILE:
         # the interpreter cannot iterate range() over loaded scalars
-        i_e = e0
-        while i_e < e1:
+        i_p = e0 * HG
+        while i_p < e1 * HG:
             b_dk1, b_dk2, b_dv = _dkv_step(
-                i_e, e1, q, do, m_in, l_in, delta, ent_tok, tok_pos, p0, i_n2, o_r, m_r, o_xe, o_xg, m_xg,
+                i_p, e1 * HG, q, do, m_in, l_in, delta, ent_tok, tok_pos, p0, i_n2, o_r, m_r, o_xe, o_xg,
                 o_d1, m_d1, o_d2, m_d2, o_dv, m_dv, b_k1, b_k2, b_v, b_dk1, b_dk2, b_dv, dq, scale,
-                N1, G, Dqk, Dv, HAS_D2, CAUSAL, DOT, PREC, DQ_ATOMIC,
+                N1, G, BLOCK_G, HG, Dqk, Dv, HAS_D2, CAUSAL, DOT, PREC, DQ_ATOMIC,
             )
-            i_e += BLOCK_E
+            i_p += BLOCK_E
     else:
-        for i_e in range(e0, e1, BLOCK_E):
+        for i_p in range(e0 * HG, e1 * HG, BLOCK_E):
             b_dk1, b_dk2, b_dv = _dkv_step(
-                i_e, e1, q, do, m_in, l_in, delta, ent_tok, tok_pos, p0, i_n2, o_r, m_r, o_xe, o_xg, m_xg,
+                i_p, e1 * HG, q, do, m_in, l_in, delta, ent_tok, tok_pos, p0, i_n2, o_r, m_r, o_xe, o_xg,
                 o_d1, m_d1, o_d2, m_d2, o_dv, m_dv, b_k1, b_k2, b_v, b_dk1, b_dk2, b_dv, dq, scale,
-                N1, G, Dqk, Dv, HAS_D2, CAUSAL, DOT, PREC, DQ_ATOMIC,
+                N1, G, BLOCK_G, HG, Dqk, Dv, HAS_D2, CAUSAL, DOT, PREC, DQ_ATOMIC,
             )
 
     b_dk1 = b_dk1 * scale
