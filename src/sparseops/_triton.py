@@ -5,7 +5,9 @@
 - A kernel whose pipelined loads need more shared memory than the device has (wide heads or big blocks on a GPU
   with less shared memory than the H100/H200 the launch settings were chosen on) is retried with fewer pipeline
   stages; the stage count that fitted is remembered per kernel, device and constexpr set. When even one stage
-  does not fit, a ``ValueError`` says what the shape needs, what the device has, and how to get around it.
+  does not fit, ``DoesNotFit`` (a ``ValueError``) says what the shape needs, what the device has, and how to get
+  around it.
+- ``arch(device)``: the compute capability a launch targets, for per-GPU launch settings.
 - ``offline_compile(arch)``: inside it, a launch compiles its kernel for ``sm_<arch>`` (Triton's bundled
   ``ptxas``, no GPU needed) with exactly the arguments, constexprs, warps and stages it would run with, checks
   its shared memory against that GPU's limit (the retry and the error above included), records it, and runs
@@ -33,6 +35,7 @@ class DoesNotFit(ValueError):
 
     ``backend="auto"`` catches it and runs the op's torch path instead; an explicit ``backend="triton"`` gets it."""
 
+
 #: shared memory one program may use (bytes, the opt-in maximum), by compute capability
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 GPU_NAMES = {80: "A100", 86: "RTX 30xx / A10 / A40", 89: "RTX 40xx / L4 / L40", 90: "H100 / H200"}
@@ -55,10 +58,6 @@ class OfflineLaunch:
     shared: int  # bytes per program
     meta: dict = dataclasses.field(repr=False, default_factory=dict)  # the constexprs
     compiled: object = dataclasses.field(repr=False, default=None)
-
-    @property
-    def limit(self) -> int:
-        return SHARED_LIMIT[self.arch]
 
     def resources(self) -> dict:
         """``{"registers": int, "spill_bytes": int}`` per thread, read from the cubin with ``cuobjdump``."""
@@ -108,7 +107,7 @@ def offline_compile(arch: int = 90):
     global _OFFLINE
     if arch not in SHARED_LIMIT:
         raise ValueError(f"arch: expected one of {sorted(SHARED_LIMIT)}, got {arch!r}")
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("offline_compile needs compiled Triton: unset TRITON_INTERPRET")
     from triton.runtime import driver
 
