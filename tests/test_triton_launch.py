@@ -53,6 +53,11 @@ def test_no_fit_raises_value_error_naming_shape_need_and_way_out():
                  "backend='torch'"):
         assert part in msg, (part, msg)
     assert k.tries == [2, 1]
+    k.tries.clear()
+    with pytest.raises(ValueError, match="200000 bytes of shared memory"):
+        _triton.launch(k, (1,), torch.device("cpu"), (), num_warps=8, num_stages=2,
+                       shape="selected_block_size=128, Dqk=256, Dv=256", BLOCK=64)
+    assert k.tries == []  # remembered: the same error again, without compiling or trying the stages
 
 
 def test_other_resources_are_not_retried():

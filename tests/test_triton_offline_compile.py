@@ -188,12 +188,21 @@ def test_auto_runs_torch_where_a_kernel_does_not_fit(monkeypatch, dtype, G, Dqk,
     monkeypatch.setattr(_checks, "triton_interpret", lambda: True)  # backend="triton" accepts CPU tensors
     monkeypatch.setattr(_checks, "triton_available", lambda: True)
     monkeypatch.setattr(nsa_triton, "DQ_ATOMIC", dq_atomic)
+    monkeypatch.setattr(api, "_AUTO_TORCH", set())
+    monkeypatch.setattr(_triton, "_NO_FIT", {})
     with _triton.offline_compile(86) as launches:
         with pytest.warns(RuntimeWarning, match="nsa_bwd_d.*backend='auto' runs this shape on the torch path"):
             got = api.nsa_selected_attention_grad(*args, **kw, backend="auto")
+        assert [x.kernel for x in launches] == launched
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            again = api.nsa_selected_attention_grad(*args, **kw, backend="auto")
+        assert [x.kernel for x in launches] == launched  # remembered: straight to torch, nothing launched again
         with pytest.raises(ValueError, match="needs .* bytes of shared memory"):
             api.nsa_selected_attention_grad(*args, **kw, backend="triton")
     assert [x.kernel for x in launches] == launched * 2
+    for a, b in zip(again, want):
+        assert torch.equal(a, b)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     for a, b in zip(args, before):

@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 
 _STAGES: dict = {}
+#: launches that do not fit even unpipelined, by the same key: their error, raised again without a retry
+_NO_FIT: dict = {}
 
 
 class DoesNotFit(ValueError):
@@ -150,6 +152,8 @@ def launch(kernel, grid, device: torch.device, args, *, num_warps: int, num_stag
     where = f"offline-sm_{_OFFLINE[0]}" if _OFFLINE is not None else str(device)
     key = (getattr(kernel, "__name__", repr(kernel)), where, num_warps, num_stages,
            tuple(sorted((k, str(v)) for k, v in meta.items())))
+    if key in _NO_FIT:
+        raise DoesNotFit(_NO_FIT[key])
     stages = _STAGES.get(key, num_stages)
     while True:
         opts = {"num_warps": num_warps} if stages is None else {"num_warps": num_warps, "num_stages": stages}
@@ -166,11 +170,12 @@ def launch(kernel, grid, device: torch.device, args, *, num_warps: int, num_stag
                 stages -= 1
                 continue
             unit = " bytes" if e.name == "shared memory" else ""
-            raise DoesNotFit(
+            _NO_FIT[key] = (
                 f"{key[0]}: {shape or 'this shape'} needs {e.required}{unit} of {e.name} per program, the "
                 f"device ({_device_name(device)}) has {e.limit}{unit}, even without pipelining; use "
                 "backend='torch', or smaller head dims / block size"
-            ) from e
+            )
+            raise DoesNotFit(_NO_FIT[key]) from e
         if stages != num_stages:
             _STAGES[key] = stages
         return

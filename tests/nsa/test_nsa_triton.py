@@ -362,7 +362,8 @@ def test_shared_memory_shortfall_retries_then_errors_clearly(monkeypatch):
     from sparseops import _triton
     from sparseops.nsa import triton_kernels as kern
 
-    monkeypatch.setattr(_triton, "_STAGES", {})
+    monkeypatch.setattr(_triton, "_STAGES", {})  # what the stand-ins make launch remember goes with them
+    monkeypatch.setattr(_triton, "_NO_FIT", {})
     c = _case([5, 9], N1=4, N2=2, Dqk=32, Dv=16, bs=16, K=2, duplicates=True)
     want = _fwd(triton_impl, c)
     fwd = _ShortOfSharedMemory(kern.nsa_fwd_kernel, fits=1)

@@ -66,16 +66,32 @@ def _resolve_backend(backend, device: torch.device, dtype: torch.dtype) -> str:
     return AUTO_TRITON if name == "triton" and backend == "auto" else name
 
 
+#: ``auto`` calls whose Triton kernels did not fit: ``(fn, device, arch, dtype, N1, N2, Dqk, Dv, K, bs, ...)``
+_AUTO_TORCH: set = set()
+
+
+def _shape_key(fn: str, args, kwargs) -> tuple:
+    """What decides whether the Triton kernels of ``forward`` / ``backward`` fit: device, dtype and sizes."""
+    q, k, v = args[:3]
+    topk, bs = (args[3], args[5]) if fn == "forward" else (args[7], args[9])
+    return (fn, str(q.device), _triton.arch(q.device), q.dtype, q.shape[1], k.shape[1], q.shape[2], v.shape[2], topk.shape[2], bs,
+            tuple(sorted(kwargs.items())), getattr(_backend_module(AUTO_TRITON), "DQ_ATOMIC", None))
+
+
 def _run(backend: str, fn: str, *args, **kwargs):
-    """``<backend module>.<fn>(*args, **kwargs)``; under ``auto``, the torch path where a kernel does not fit."""
-    try:
+    """``<backend module>.<fn>(*args, **kwargs)``; under ``auto``, the torch path where a kernel does not fit
+    (remembered per shape, so that later calls do not launch the kernels that did fit again for nothing)."""
+    if backend != AUTO_TRITON:
         return getattr(_backend_module(backend), fn)(*args, **kwargs)
-    except _triton.DoesNotFit as e:
-        if backend != AUTO_TRITON:
-            raise
-        warnings.warn(f"sparseops: {e}; backend='auto' runs this shape on the torch path", RuntimeWarning,
-                      stacklevel=2)
-        return getattr(_backend_module("torch"), fn)(*args, **kwargs)
+    key = _shape_key(fn, args, kwargs)
+    if key not in _AUTO_TORCH:
+        try:
+            return getattr(_backend_module(backend), fn)(*args, **kwargs)
+        except _triton.DoesNotFit as e:
+            _AUTO_TORCH.add(key)
+            warnings.warn(f"sparseops: {e}; backend='auto' runs this shape on the torch path", RuntimeWarning,
+                          stacklevel=2)
+    return getattr(_backend_module("torch"), fn)(*args, **kwargs)
 
 
 def _check_args(
