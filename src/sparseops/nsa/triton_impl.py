@@ -15,7 +15,8 @@ Same internal signatures as ``reference.py`` (docs/internals.md). Arguments are 
   key-block-major over an inverse index (for each key block of each KV head, the stably sorted list of
   query tokens that selected it, built with torch ops on the device, no host sync). Each index list is
   cut into chunks of ``CHUNK`` entries (one program each, so that a block picked by every token does
-  not serialise the kernel). Default: chunks add their fp32 partials into fp32 dk/dv with atomics.
+  not serialise the kernel), and a block wider than ``DKV_KEY_ROWS`` keys into parts of that many (grid
+  axis 1). A step's tile rows are ``DKV_ROWS`` (sm_90) or ``DKV_ROWS_SM8X`` (sm_8x) (token, head) pairs. Default: chunks add their fp32 partials into fp32 dk/dv with atomics.
   ``deterministic=True``: chunks write their partials to a workspace, reduced in chunk order by a
   second kernel: bitwise reproducible.
 
