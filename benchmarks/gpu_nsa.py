@@ -51,16 +51,17 @@ PAPER = dict(N2=4, G=16, Dqk=192, Dv=128, bs=64, K=16)
 # ------------------------------------------------------------------------------------------------------------
 
 
-def make_inputs(seqlens, *, N2, G, Dqk, Dv, bs, K, dtype, device, causal=True, seed=0):
+def make_inputs(seqlens, *, N2, G, Dqk, Dv, bs, K, dtype, device, causal=True, seed=0, pattern="uniform"):
     """Random q/k/v made on the device; block ids from ``testing.make_topk_indices`` on the device (distinct,
-    causal-allowed, -1 if none)."""
+    causal-allowed, -1 if none; ``pattern="nsa"``: first, own and previous block forced, the rest shared by
+    each 64-token window, as NSA's selection tends to be)."""
     g = torch.Generator(device=device).manual_seed(seed)
     T = sum(seqlens)
     q = torch.randn(T, N2 * G, Dqk, generator=g, device=device, dtype=torch.float32).to(dtype)
     k = torch.randn(T, N2, Dqk, generator=g, device=device, dtype=torch.float32).to(dtype)
     v = torch.randn(T, N2, Dv, generator=g, device=device, dtype=torch.float32).to(dtype)
     topk = testing.make_topk_indices(
-        seqlens, seqlens, N2, K, bs, causal=causal, seed=seed + 1, device=device, chunk=8192
+        seqlens, seqlens, N2, K, bs, causal=causal, seed=seed + 1, device=device, chunk=8192, pattern=pattern
     )
     cu = [0]
     for S in seqlens:
@@ -268,16 +269,17 @@ def fla_runner(q, k, v, topk, bs, cu, scale, ref_out=None):
     return fwd, bwd, err
 
 
-def run_row(device, T, G, dtype, smoke, cfg):
+def run_row(device, T, G, dtype, smoke, cfg, pattern="uniform"):
     N2, Dqk, Dv, bs, K = cfg["N2"], cfg["Dqk"], cfg["Dv"], cfg["bs"], cfg["K"]
-    q, k, v, topk, cu = make_inputs([T], N2=N2, G=G, Dqk=Dqk, Dv=Dv, bs=bs, K=K, dtype=dtype, device=device)
+    q, k, v, topk, cu = make_inputs([T], N2=N2, G=G, Dqk=Dqk, Dv=Dv, bs=bs, K=K, dtype=dtype, device=device,
+                                    pattern=pattern)
     sc = 1.0 / math.sqrt(Dqk)
     vis = visible_pairs(topk, bs, cu, cu, True)
     fwd_flop = 2.0 * (Dqk + Dv) * G * vis
     bwd_flop = 2.5 * fwd_flop
     out, m, l = triton_impl.forward(q, k, v, topk, sc, bs, cu, cu, True)
     dout = torch.randn_like(out)
-    row = {"T": T, "G": G, "N2": N2, "Dqk": Dqk, "Dv": Dv, "bs": bs, "K": K, "visible_pairs": vis,
+    row = {"T": T, "G": G, "selection": pattern, "N2": N2, "Dqk": Dqk, "Dv": Dv, "bs": bs, "K": K, "visible_pairs": vis,
            "fwd_flop": fwd_flop, "bwd_flop": bwd_flop, **traffic(q, topk, vis, bs, Dv, cu)}
     row["fwd_ms"] = bench(lambda: triton_impl.forward(q, k, v, topk, sc, bs, cu, cu, True), smoke)
     if device == "cuda":
@@ -336,10 +338,11 @@ def tune(device, cfg, smoke=False, on_step=None):
                                     K=K, dtype=torch.float32 if smoke else torch.bfloat16, device=device)
     sc = 1.0 / math.sqrt(Dqk)
     # token packing at G = 16 (PACK_ROWS 32, 64: 2 or 4 tokens per tile). With uniformly drawn ids neighbours
-    # rarely share a block and packing can only lose; so it is timed where every 64-token query block shares its
-    # first token's selection (causally valid for the later tokens), the case where a shared block loads once.
-    shared = topk[torch.arange(topk.shape[0], device=topk.device) // 64 * 64].contiguous()
-    selections = {"uniform": topk, "shared per 64-token query block": shared}
+    # rarely share a block and packing can only lose; so it is timed on the NSA-like selection (first, own and
+    # previous block forced, the rest shared by each 64-token window), where a shared block loads once per pack.
+    nsa_ids = testing.make_topk_indices([q.shape[0]], [q.shape[0]], N2, K, bs, seed=2, device=device, chunk=8192,
+                                        pattern="nsa")
+    selections = {"uniform": topk, "nsa": nsa_ids}
     # the forward's out and stats with the base settings, the backward's inputs for every variant
     fwd = {name: triton_impl.forward(q, k, v, ids, sc, bs, cu, cu, True) for name, ids in selections.items()}
     dout = torch.randn_like(fwd["uniform"][0])
@@ -354,7 +357,7 @@ def tune(device, cfg, smoke=False, on_step=None):
         {"DKV_WARPS": 4}]
     # (settings, selection, time the deterministic backward too); the first run of a selection is its base
     runs = [(var, "uniform", True) for var in variants] + [
-        ({"PACK_ROWS": rows}, "shared per 64-token query block", False) for rows in (16, 32, 64)]
+        ({"PACK_ROWS": rows}, "nsa", False) for rows in (16, 32, 64)]
     res, refs = [], {}
     for var, sel, det in runs:
         label = var if sel == "uniform" else {**var, "selection": sel}
@@ -441,24 +444,28 @@ def main():
     print(f"bf16 matmul 8192^3: {mm:.1f} TFLOP/s; device copy (1 GiB clone): {bw:.0f} GB/s", flush=True)
     if smoke:
         cfg = dict(N2=2, Dqk=32, Dv=16, bs=32, K=2)
-        rows_todo = [(48, 2), (48, 1)]
+        rows_todo = [(48, 2, "uniform"), (48, 1, "uniform"), (48, 2, "nsa")]
         dtype = torch.float32
     else:
         cfg = {k: PAPER[k] for k in ("N2", "Dqk", "Dv", "bs", "K")}
         Ts = [8192, 32768] if args.quick else [8192, 32768, 65536]
-        rows_todo = [(T, 16) for T in Ts] + [(32768 if not args.quick else 8192, g) for g in (1, 4)]
+        rows_todo = [(T, 16, "uniform") for T in Ts] + [(32768 if not args.quick else 8192, g, "uniform")
+                                                         for g in (1, 4)]
+        # NSA-like selection (neighbours share most blocks: more L2 reuse, and the G = 1 packs of 16 tokens load a
+        # shared block once); at G = 16 --tune times it (the PACK_ROWS runs), so one row here keeps the run short
+        rows_todo += [(32768 if not args.quick else 8192, 1, "nsa")]
         dtype = torch.bfloat16
     meta["config"], meta["dtype"] = cfg, str(dtype)
     save("correct")
     rows = res["rows"]
-    for T, G in rows_todo:
+    for T, G, pattern in rows_todo:
         try:
-            r = run_row(device, T, G, dtype, smoke, cfg)
+            r = run_row(device, T, G, dtype, smoke, cfg, pattern)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
-            print(f"row T={T} G={G} failed: {type(e).__name__}: {e}", flush=True)
-            rows.append({"T": T, "G": G, "error": f"{type(e).__name__}: {e}"})
-            save(f"row T={T} G={G}")
+            print(f"row T={T} G={G} {pattern} failed: {type(e).__name__}: {e}", flush=True)
+            rows.append({"T": T, "G": G, "selection": pattern, "error": f"{type(e).__name__}: {e}"})
+            save(f"row T={T} G={G} {pattern}")
             continue
         for p in ("fwd", "bwd", "bwd_det"):
             r[f"{p}_tflops"] = r[f"{p.split('_')[0]}_flop"] / r[f"{p}_ms"] / 1e9
@@ -474,26 +481,27 @@ def main():
             r["bwd_speedup_vs_fla"] = r["fla_bwd_ms"] / r["bwd_ms"]
             r["fwd_speedup_vs_fla"] = r["fla_fwd_ms"] / r["fwd_ms"]
         rows.append(r)
-        save(f"row T={T} G={G}")
-        print(f"row T={T} G={G}: fwd {r['fwd_ms']:.3f} ms, bwd {r['bwd_ms']:.3f} ms, det {r['bwd_det_ms']:.3f} ms",
+        save(f"row T={T} G={G} {pattern}")
+        print(f"row T={T} G={G} {pattern}: fwd {r['fwd_ms']:.3f} ms, bwd {r['bwd_ms']:.3f} ms, det {r['bwd_det_ms']:.3f} ms",
               flush=True)
 
-    hdr = (f"{'T':>6} {'G':>3} | {'fwd ms':>8} {'TF/s':>6} {'%mm':>5} {'xcopy':>5} | {'bwd ms':>8} {'TF/s':>6} "
+    hdr = (f"{'T':>6} {'G':>3} {'sel':>7} | {'fwd ms':>8} {'TF/s':>6} {'%mm':>5} {'xcopy':>5} | {'bwd ms':>8} {'TF/s':>6} "
            f"{'%mm':>5} {'xcopy':>5} | {'det ms':>8} {'det/def':>7} | fla")
     print()
     print(f"NSA selected attention, N2={cfg['N2']} Dqk={cfg['Dqk']} Dv={cfg['Dv']} bs={cfg['bs']} K={cfg['K']}, "
           f"causal, {str(dtype).replace('torch.', '')}; matmul {mm:.1f} TFLOP/s, copy {bw:.0f} GB/s; FLOPs on "
-          "visible keys; xcopy = gathered K/V bytes per second / copy bandwidth")
+          "visible keys; xcopy = gathered K/V bytes per second / copy bandwidth; sel = block ids drawn uniformly "
+          "per token, or NSA-like (first/own/previous block forced, the rest shared per 64-token window)")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         if "error" in r:
-            print(f"{r['T']:>6} {r['G']:>3} | failed: {r['error'][:80]}")
+            print(f"{r['T']:>6} {r['G']:>3} {r['selection']:>7} | failed: {r['error'][:80]}")
             continue
         fla = r["fla"] if "fla_bwd_ms" not in r else (
             f"fwd {r['fla_fwd_ms']:.3f} ms (x{r['fwd_speedup_vs_fla']:.2f}), bwd {r['fla_bwd_ms']:.3f} ms "
             f"(x{r['bwd_speedup_vs_fla']:.2f})")
-        print(f"{r['T']:>6} {r['G']:>3} | {r['fwd_ms']:>8.3f} {r['fwd_tflops']:>6.1f} {r['fwd_pct_matmul']:>5.1f} "
+        print(f"{r['T']:>6} {r['G']:>3} {r['selection']:>7} | {r['fwd_ms']:>8.3f} {r['fwd_tflops']:>6.1f} {r['fwd_pct_matmul']:>5.1f} "
               f"{r['fwd_gather_x_copy']:>5.2f} | {r['bwd_ms']:>8.3f} {r['bwd_tflops']:>6.1f} "
               f"{r['bwd_pct_matmul']:>5.1f} {r['bwd_gather_x_copy']:>5.2f} | "
               f"{r['bwd_det_ms']:>8.3f} {r['det_over_default']:>7.2f} | {fla}")

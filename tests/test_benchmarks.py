@@ -110,7 +110,8 @@ def test_gpu_nsa_cpu_smoke(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     d = json.loads(out.read_text())
     assert d["meta"]["stage"] == "done" and d["meta"]["correct"] and d["meta"]["copy_gbps"] > 0
-    assert [(x["T"], x["G"]) for x in d["rows"]] == [(48, 2), (48, 1)]
+    assert [(x["T"], x["G"], x["selection"]) for x in d["rows"]] == [(48, 2, "uniform"), (48, 1, "uniform"),
+                                                                      (48, 2, "nsa")]
     for x in d["rows"]:
         # the byte model: every visible key row gathered once per (token, KV head) in fp32
         assert x["fwd_gather_bytes"] == x["visible_pairs"] * (x["Dqk"] + x["Dv"]) * 4

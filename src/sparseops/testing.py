@@ -115,22 +115,41 @@ def make_topk_indices(
     seed: int = 0,
     device="cpu",
     chunk: int = 4096,
+    pattern: str = "uniform",
+    window: int = 64,
 ) -> torch.Tensor:
     """Block ids ``[T1, N2, K]`` int32 local to each token's sequence, drawn without replacement from the blocks
     a query can use (causal: blocks that start at or before its position; else all blocks of its sequence).
     Slots with no block to draw are -1; ``empty_frac`` turns a random share of the others into -1;
     ``duplicates`` copies slot 0 into slot K-1 for a random half of the rows. Drawn on ``device`` (fast on a GPU
-    at long sequences); on the CPU the draws depend only on ``seed``."""
+    at long sequences); on the CPU the draws depend only on ``seed``.
+
+    ``pattern="uniform"``: every token draws its own blocks (neighbours rarely share one at long sequences).
+    ``pattern="nsa"``: like NSA's selection, the first block and the token's own and previous blocks are always
+    taken, and the rest are the best of scores shared by each ``window`` consecutive query tokens (NSA ranks
+    blocks by compressed-attention scores, which change slowly from token to token), so neighbours share most
+    of their blocks."""
+    if pattern not in ("uniform", "nsa"):
+        raise ValueError(f"pattern: expected 'uniform' or 'nsa', got {pattern!r}")
     device = torch.device(device)
     g = torch.Generator(device=device).manual_seed(seed)
     ar = functools.partial(torch.arange, device=device)
+    if pattern == "nsa":
+        chunk = max(window, chunk // window * window)  # whole windows per chunk: one score draw per window
     out = []
     for S1, S2 in zip(seqlens_q, seqlens_kv):
         nblk = max(1, -(-S2 // bs))
         for c0 in range(0, S1, chunk):
             c1 = min(S1, c0 + chunk)
             pos = ar(c0, c1)
-            scores = torch.rand(c1 - c0, N2, nblk, generator=g, device=device)
+            if pattern == "uniform":
+                scores = torch.rand(c1 - c0, N2, nblk, generator=g, device=device)
+            else:
+                shared = torch.rand(-(-(c1 - c0) // window), N2, nblk, generator=g, device=device)
+                scores = shared[torch.div(pos - c0, window, rounding_mode="floor")]
+                own = torch.clamp(torch.div(pos, bs, rounding_mode="floor"), max=nblk - 1)
+                for b in (torch.zeros_like(own), own, torch.clamp(own - 1, min=0)):
+                    scores = scores.scatter(-1, b[:, None, None].expand(-1, N2, 1), 2.0)
             allowed = ar(nblk) * bs < S2
             allowed = allowed.expand(c1 - c0, nblk)
             if causal:

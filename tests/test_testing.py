@@ -1,0 +1,48 @@
+"""``sparseops.testing``: the block-id builder's selection patterns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparseops.testing import make_topk_indices
+
+
+def _sets(idx):
+    return [set(r.tolist()) - {-1} for r in idx]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_nsa_pattern_forces_first_own_previous_and_shares_within_a_window(causal):
+    S, bs, K, window = 700, 16, 6, 32
+    idx = make_topk_indices([S, 90], [S, 120], 2, K, bs, causal=causal, pattern="nsa", window=window, seed=3,
+                            chunk=100)
+    assert idx.shape == (S + 90, 2, K) and idx.dtype == torch.int32
+    for n2 in range(2):
+        rows = _sets(idx[:S, n2])
+        for t, r in enumerate(rows):
+            own = t // bs
+            assert {0, own, max(own - 1, 0)} <= r, (t, r)
+            assert len(r) == min(K, own + 1 if causal else -(-S // bs))  # distinct, as many as allowed
+            if causal:
+                assert max(r) <= own
+        # tokens of one window with the same own block select the same blocks (the scores are shared)
+        for t in range(0, S - 1):
+            if t // window == (t + 1) // window and t // bs == (t + 1) // bs:
+                assert rows[t] == rows[t + 1], t
+        # different windows draw different scores: not every window picks the same blocks
+        late = [frozenset(rows[t]) for t in range(S // 2, S, window)]
+        assert len(set(late)) > 1
+    assert (idx[S:] < -(-120 // bs)).all()  # the second sequence's own block range
+
+
+def test_uniform_pattern_draws_per_token():
+    idx = make_topk_indices([2048], [2048], 1, 8, 16, seed=0)
+    rows = _sets(idx[1024:, 0])
+    same = sum(rows[i] == rows[i + 1] for i in range(len(rows) - 1))
+    assert same < len(rows) // 10
+
+
+def test_unknown_pattern_is_an_error():
+    with pytest.raises(ValueError, match="pattern: expected 'uniform' or 'nsa', got 'x'"):
+        make_topk_indices([4], [4], 1, 1, 16, pattern="x")
