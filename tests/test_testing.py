@@ -43,6 +43,9 @@ def test_uniform_pattern_draws_per_token():
     assert same < len(rows) // 10
 
 
-def test_unknown_pattern_is_an_error():
+def test_unknown_pattern_or_bad_window_is_an_error():
     with pytest.raises(ValueError, match="pattern: expected 'uniform' or 'nsa', got 'x'"):
         make_topk_indices([4], [4], 1, 1, 16, pattern="x")
+    for w in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match=f"window: expected a positive int, got {w!r}"):
+            make_topk_indices([4], [4], 1, 1, 16, pattern="nsa", window=w)

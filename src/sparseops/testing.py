@@ -131,6 +131,8 @@ def make_topk_indices(
     of their blocks."""
     if pattern not in ("uniform", "nsa"):
         raise ValueError(f"pattern: expected 'uniform' or 'nsa', got {pattern!r}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window: expected a positive int, got {window!r}")
     device = torch.device(device)
     g = torch.Generator(device=device).manual_seed(seed)
     ar = functools.partial(torch.arange, device=device)
