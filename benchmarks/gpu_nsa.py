@@ -403,7 +403,8 @@ def main():
     ap.add_argument("--tune", action="store_true", help="also time launch-setting variants at T=32K, G=16")
     ap.add_argument("--compile-check", action="store_true",
                     help="compile the kernels for a GPU without one and print shared memory / registers / spills")
-    ap.add_argument("--arch", type=int, default=90, help="--compile-check target: 90 (H100/H200), 80, 86, 89")
+    ap.add_argument("--arch", type=int, default=90,
+                    help="--compile-check target: 90 (H100/H200), 100 (B200), 80, 86, 89, 120")
     args = ap.parse_args()
     if args.compile_check:
         compile_check(arch=args.arch)

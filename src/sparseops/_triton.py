@@ -39,8 +39,9 @@ class DoesNotFit(ValueError):
 
 
 #: shared memory one program may use (bytes, the opt-in maximum), by compute capability
-SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
-GPU_NAMES = {80: "A100", 86: "RTX 30xx / A10 / A40", 89: "RTX 40xx / L4 / L40", 90: "H100 / H200"}
+SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
+GPU_NAMES = {80: "A100", 86: "RTX 30xx / A10 / A40", 89: "RTX 40xx / L4 / L40", 90: "H100 / H200",
+             100: "B200 / GB200", 120: "RTX 50xx / RTX PRO Blackwell"}
 
 #: inside ``offline_compile``: ``(arch, records)``
 _OFFLINE: tuple[int, list] | None = None
@@ -190,6 +191,13 @@ def arch(device: torch.device) -> int:
         return 90
     major, minor = torch.cuda.get_device_capability(device)
     return major * 10 + minor
+
+
+def mma_sync_only(arch_: int) -> bool:
+    """Whether ``sm_<arch_>`` multiplies with warp-level ``mma.sync`` only (Ampere, Ada, consumer Blackwell), not
+    with Hopper's warpgroup ``wgmma`` or datacenter Blackwell's ``tcgen05`` (sm_90, sm_100): its accumulators then
+    live in the registers of one warp's tile, and big tiles spill sooner."""
+    return not 90 <= arch_ < 120
 
 
 def _device_name(device: torch.device) -> str:

@@ -925,9 +925,9 @@ def build_parser() -> argparse.ArgumentParser:
         "kernel's shared memory, registers and register spill. Exit status 1 when a kernel does not fit that "
         "GPU (backend='triton' would raise there, 'auto' runs the torch path).",
     )
-    pf.add_argument("--arch", type=int, choices=(80, 86, 89, 90), default=None,
-                    help="compute capability x10: 90 H100/H200, 80 A100, 86/89 consumer Ampere/Ada (default: this "
-                    "machine's GPU, else 90)")
+    pf.add_argument("--arch", type=int, choices=(80, 86, 89, 90, 100, 120), default=None,
+                    help="compute capability x10: 90 H100/H200, 100 B200, 80 A100, 86/89/120 consumer Ampere/Ada/"
+                    "Blackwell (default: this machine's GPU, else 90)")
     pf.add_argument("--group", "-G", type=int, default=16, help="query heads per KV head, G = N1 / N2 (default 16)")
     pf.add_argument("--kv-heads", type=int, default=4, help="KV heads N2 (default 4)")
     pf.add_argument("--dqk", type=int, default=192, help="query/key head dim (default 192)")

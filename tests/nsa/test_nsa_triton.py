@@ -288,7 +288,7 @@ def test_dq_atomic_fully_masked_rows_and_no_keys(monkeypatch):
                          ids=["G16-one-token-per-step", "G2-eight-tokens-per-step", "G32-half-a-token-per-step",
                               "G24-padded-head-groups"])
 def test_dkv_rows_of_mma_sync_gpus(monkeypatch, N1):
-    """On sm_8x the dK/dV kernel steps over 16 tile rows instead of 32 (``DKV_ROWS_SM8X``); with G > 16 a step
+    """On sm_8x the dK/dV kernel steps over 16 tile rows instead of 32 (``DKV_ROWS_MMA_SYNC``); with G > 16 a step
     takes one group of 16 of a token's heads (G = 24: the second group has 8 live heads); same results."""
     monkeypatch.setattr(triton_impl._triton, "arch", lambda device: 80)
     seen = []

@@ -16,7 +16,8 @@ Same internal signatures as ``reference.py`` (docs/internals.md). Arguments are 
   query tokens that selected it, built with torch ops on the device, no host sync). Each index list is
   cut into chunks of ``CHUNK`` entries (one program each, so that a block picked by every token does
   not serialise the kernel), and a block wider than ``DKV_KEY_ROWS`` keys into parts of that many (grid
-  axis 1). A step's tile rows are ``DKV_ROWS`` (sm_90) or ``DKV_ROWS_SM8X`` (sm_8x) (token, head) pairs. Default: chunks add their fp32 partials into fp32 dk/dv with atomics.
+  axis 1). A step's tile rows are ``DKV_ROWS`` (sm_90, sm_100) or ``DKV_ROWS_MMA_SYNC`` (sm_8x, sm_120) (token,
+  head) pairs. Default: chunks add their fp32 partials into fp32 dk/dv with atomics.
   ``deterministic=True``: chunks write their partials to a workspace, reduced in chunk order by a
   second kernel: bitwise reproducible.
 
@@ -34,11 +35,12 @@ from .._varlen import seq_lengths, token_seq_positions
 
 #: entries (query tokens) per dK/dV program; also sizes the deterministic workspace
 CHUNK = 256
-#: target tile rows (tokens x heads) per step of the dK/dV kernel (sm_90 and newer)
+#: target tile rows (tokens x heads) per step of the dK/dV kernel (wgmma / tcgen05 GPUs: sm_90, sm_100)
 DKV_ROWS = 32
-#: the same on mma.sync GPUs (sm_8x): with 32 rows the kernel spills ~3.6 KB per thread at the paper's shape on
-#: an A100 (192 = 128 + 64 head split), with 16 none (offline compile; docs/nsa.md)
-DKV_ROWS_SM8X = 16
+#: the same on mma.sync GPUs (sm_8x, sm_120): with 32 rows the kernel spills ~3.6 KB per thread at the paper's
+#: shape on an A100 (192 = 128 + 64 head split) and ~300 bytes on sm_120, with 16 none (offline compile;
+#: docs/nsa.md)
+DKV_ROWS_MMA_SYNC = 16
 #: key rows per dK/dV program: a wider (padded) block is split over programs (bs = 128: two of 64 rows), so
 #: its K/V rows and fp32 accumulators fit in shared memory and registers (offline compile, docs/nsa.md)
 DKV_KEY_ROWS = 64
@@ -333,7 +335,7 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     ix = build_inverse_index(topk, seq_id, bs, cu_kv, CHUNK)
     if ix["n_blocks"] == 0:
         return dq32.to(q.dtype) if dq_atomic else dq, torch.zeros_like(k), torch.zeros_like(v)
-    rows = DKV_ROWS if _triton.arch(dev) >= 90 else DKV_ROWS_SM8X
+    rows = DKV_ROWS_MMA_SYNC if _triton.mma_sync_only(_triton.arch(dev)) else DKV_ROWS
     # a step's tile rows: BLOCK_E tokens x all their heads, or one group of `rows` heads of one token
     gk = min(_next_pow2(G), max(16, rows))
     hg = _next_pow2(G) // gk
