@@ -236,12 +236,12 @@ def test_auto_keeps_triton_where_the_kernel_fits(monkeypatch):
     assert [x.kernel for x in launches] == DET
 
 
-@pytest.mark.parametrize("arch", [90, 80])
+@pytest.mark.parametrize("arch", [90, 100, 80, 120])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64],
                          ids=["bf16", "fp16", "fp32", "fp64"])
 def test_moe_kernels_compile_and_fit(arch, dtype):
     """The four MoE kernels at a model's hidden size (7168, the tiles' cap) and a small odd one, with and without
-    probs, compile for the GPU and fit."""
+    probs, compile for Hopper, datacenter Blackwell, Ampere and consumer Blackwell and fit."""
     g = torch.Generator().manual_seed(0)
     T, K = 6, 4
     with _triton.offline_compile(arch) as launches:
