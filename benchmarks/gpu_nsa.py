@@ -323,7 +323,8 @@ def compile_check(Gs=(1, 4, 16, 32), cfg=None, arch=90):
     rows = []
     for G in Gs:
         tile = triton_impl._q_tile(G, shape["K"], shape["bs"], triton_impl._head_blocks(shape["Dqk"], shape["Dv"]))[0]
-        print(f"G={G}: forward / dQ tiles of {tile['PACK']} token(s) x {tile['BLOCK_G']} head rows")
+        print(f"G={G}: forward / dQ tiles of {tile['PACK']} token(s) x {tile['BLOCK_G']} head rows, and where wide "
+              f"packs are on (sm_90, sm_100) {triton_impl.wide_pack_size(G)} tokens x {triton_impl._next_pow2(G)}")
         got = triton_impl.compile_report(arch, G=G, **shape)
         for line in fit_lines(got):
             print(line, flush=True)
@@ -337,16 +338,19 @@ def tune(device, cfg, smoke=False, on_step=None):
     q, k, v, topk, cu = make_inputs([48 if smoke else 32768], N2=N2, G=2 if smoke else 16, Dqk=Dqk, Dv=Dv, bs=bs,
                                     K=K, dtype=torch.float32 if smoke else torch.bfloat16, device=device)
     sc = 1.0 / math.sqrt(Dqk)
-    # token packing at G = 16 (PACK_ROWS 32, 64: 2 or 4 tokens per tile). With uniformly drawn ids neighbours
-    # rarely share a block and packing can only lose; so it is timed on the NSA-like selection (first, own and
-    # previous block forced, the rest shared by each 64-token window), where a shared block loads once per pack.
+    # token packing at G = 16: wide packs (4 tokens x 16 heads, wgmma) where a pack shares enough blocks
+    # (WIDE_SHARE), off (WIDE_ROWS = 0), always (WIDE_SHARE = 1e9), and ordinary packs of 2 tokens (PACK_ROWS =
+    # 32). With uniformly drawn ids neighbours rarely share a block (the adaptive rule should keep them ordinary:
+    # its cost there is the pack table); on the NSA-like selection (first, own and previous block forced, the rest
+    # shared by each 64-token window) a shared block loads once per pack.
     nsa_ids = testing.make_topk_indices([q.shape[0]], [q.shape[0]], N2, K, bs, seed=2, device=device, chunk=8192,
                                         pattern="nsa")
     selections = {"uniform": topk, "nsa": nsa_ids}
     # the forward's out and stats with the base settings, the backward's inputs for every variant
     fwd = {name: triton_impl.forward(q, k, v, ids, sc, bs, cu, cu, True) for name, ids in selections.items()}
     dout = torch.randn_like(fwd["uniform"][0])
-    names = ("FWD_STAGES", "DKV_ROWS", "DKV_WARPS", "DKV_STAGES", "CHUNK", "DQ_ATOMIC", "PACK_ROWS", "DKV_KEY_ROWS")
+    names = ("FWD_STAGES", "DKV_ROWS", "DKV_WARPS", "DKV_STAGES", "CHUNK", "DQ_ATOMIC", "PACK_ROWS", "DKV_KEY_ROWS",
+             "WIDE_ROWS", "WIDE_SHARE")
     base = {n: getattr(triton_impl, n) for n in names}
     # most telling first: a run cut short by its time limit keeps the variants it finished
     # (DKV_KEY_ROWS = 32: two dK/dV programs per 64-key block, half the shared memory each, q/dY gathered twice)
@@ -356,8 +360,9 @@ def tune(device, cfg, smoke=False, on_step=None):
         {"FWD_STAGES": 1}, {"DKV_ROWS": 16}, {"DKV_STAGES": 3}, {"DKV_STAGES": 1}, {"CHUNK": 64}, {"CHUNK": 1024},
         {"DKV_WARPS": 4}]
     # (settings, selection, time the deterministic backward too); the first run of a selection is its base
-    runs = [(var, "uniform", True) for var in variants] + [
-        ({"PACK_ROWS": rows}, "nsa", False) for rows in (16, 32, 64)]
+    packing = [{}, {"WIDE_ROWS": 0}, {"WIDE_SHARE": 1e9}, {"WIDE_SHARE": 0.25}, {"WIDE_ROWS": 0, "PACK_ROWS": 32}]
+    runs = [(var, "uniform", True) for var in variants] + [({"WIDE_ROWS": 0}, "uniform", False)] + [
+        (var, "nsa", False) for var in packing]
     res, refs = [], {}
     for var, sel, det in runs:
         label = var if sel == "uniform" else {**var, "selection": sel}
@@ -452,9 +457,9 @@ def main():
         Ts = [8192, 32768] if args.quick else [8192, 32768, 65536]
         rows_todo = [(T, 16, "uniform") for T in Ts] + [(32768 if not args.quick else 8192, g, "uniform")
                                                          for g in (1, 4)]
-        # NSA-like selection (neighbours share most blocks: more L2 reuse, and the G = 1 packs of 16 tokens load a
-        # shared block once); at G = 16 --tune times it (the PACK_ROWS runs), so one row here keeps the run short
-        rows_todo += [(32768 if not args.quick else 8192, 1, "nsa")]
+        # NSA-like selection (neighbours share most blocks: more L2 reuse, and packs load a shared block once for
+        # all their tokens: wide packs of 4 tokens at G = 16, 64 at G = 1); --tune times the packing variants
+        rows_todo += [(32768 if not args.quick else 8192, g, "nsa") for g in (16, 1)]
         dtype = torch.bfloat16
     meta["config"], meta["dtype"] = cfg, str(dtype)
     save("correct")

@@ -118,7 +118,11 @@ def test_gpu_nsa_cpu_smoke(tmp_path):
         assert x["bwd_gather_bytes"] > x["fwd_gather_bytes"] > 0 and x["fwd_gather_gbps"] > 0
     assert any(v.get("DQ_ATOMIC") for v in d["tune"]) and not any("error" in v for v in d["tune"])
     assert all(v["rel_rms_vs_base"] < 1e-5 for v in d["tune"])  # fp32 under the interpreter
-    assert [v["PACK_ROWS"] for v in d["tune"] if "PACK_ROWS" in v] == [16, 32, 64]
+    packing = [{k: v[k] for k in ("selection", "WIDE_ROWS", "WIDE_SHARE", "PACK_ROWS") if k in v}
+               for v in d["tune"] if "WIDE_ROWS" in v or v.get("selection") == "nsa"]
+    assert packing == [{"WIDE_ROWS": 0}, {"selection": "nsa"}, {"selection": "nsa", "WIDE_ROWS": 0},
+                       {"selection": "nsa", "WIDE_SHARE": 1e9}, {"selection": "nsa", "WIDE_SHARE": 0.25},
+                       {"selection": "nsa", "WIDE_ROWS": 0, "PACK_ROWS": 32}]
 
 
 def test_gpu_nsa_compile_check_reports_every_variant():

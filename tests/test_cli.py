@@ -310,6 +310,9 @@ def test_fit_paper_shape_on_hopper(capsys):
     for variant, kernel in (("forward", "nsa_fwd_kernel"), ("backward", "nsa_bwd_dkv_kernel"),
                             ("deterministic", "nsa_bwd_reduce_kernel"), ("DQ_ATOMIC", "nsa_bwd_delta_kernel")):
         assert any(line.split()[:2] == [variant, kernel] for line in out.splitlines()), (variant, kernel, out)
+    # the forward's wide packs (4 tokens x 16 heads) and ordinary programs (one token)
+    fwd = [line.split()[2] for line in out.splitlines() if line.split()[:2] == ["forward", "nsa_fwd_kernel"]]
+    assert fwd == ["rows=64", "rows=16"], out
     assert "fits: backend='triton'" in out and "without register spills" in out
 
 

@@ -63,6 +63,15 @@ def _compile_nsa(arch, mode, G, Dqk, Dv, bs, K, dtype, monkeypatch):
     return launches
 
 
+def _expected(kernels, arch, G, Dqk, Dv, bs, dtype):
+    """``kernels`` with the forward / dQ kernel launched twice (wide packs, then the ordinary programs) where wide
+    packs are on for this GPU and shape (``triton_impl._wide_on``)."""
+    with _triton.offline_compile(arch):
+        wide = nsa_triton._wide_on(torch.empty(0, G, Dqk, dtype=dtype), G, bs, nsa_triton._head_blocks(Dqk, Dv))
+    twice = ("nsa_fwd_kernel", "nsa_bwd_dq_kernel") if wide else ()
+    return [n for k in kernels for n in ([k, k] if k in twice else [k])]
+
+
 # (G, Dqk, Dv, bs, K, dtype): the paper's shape, the packed tiles (G < 16), odd dims and a padded block, the
 # documented limits (Dqk = Dv = 256, bs = 128, K = 128, G = 32), the smallest block and dims; fp16 twice
 BF, FP = torch.bfloat16, torch.float16
@@ -85,7 +94,7 @@ def test_nsa_kernels_compile_and_fit_on_hopper(G, Dqk, Dv, bs, K, dtype, monkeyp
     dqa_fits = nsa_triton._dq_atomic_fits(bs, nsa_triton._head_blocks(Dqk, Dv))
     for mode, kernels in MODES.items():
         launches = _compile_nsa(90, mode, G, Dqk, Dv, bs, K, dtype, monkeypatch)
-        expected = kernels if mode != "dqa" or dqa_fits else BWD
+        expected = _expected(kernels if mode != "dqa" or dqa_fits else BWD, 90, G, Dqk, Dv, bs, dtype)
         assert [x.kernel for x in launches] == expected, mode
         for x in launches:
             assert x.arch == 90 and x.shared <= _triton.SHARED_LIMIT[90], x
@@ -124,10 +133,30 @@ def test_nsa_paper_shape_on_datacenter_blackwell(monkeypatch):
     stages it asks for and does not spill."""
     for mode, kernels in MODES.items():
         launches = _compile_nsa(100, mode, 16, 192, 128, 64, 16, torch.bfloat16, monkeypatch)
-        assert [x.kernel for x in launches] == kernels, mode
+        assert [x.kernel for x in launches] == _expected(kernels, 100, 16, 192, 128, 64, BF), mode
         for x in launches:
             assert x.shared <= _triton.SHARED_LIMIT[100] and x.stages == (x.num_stages or x.stages), x
             assert x.resources()["spill_bytes"] == 0, x
+
+
+def test_nsa_wide_packs_multiply_with_warpgroup_mma(monkeypatch):
+    """At the paper's shape the wide forward / dQ programs (64 tile rows) compile to wgmma on sm_90 and tcgen05 on
+    sm_100, where the ordinary ones (16 rows) are mma.sync; GPUs with only mma.sync (sm_80, sm_120), fp32 inputs and
+    blocks past WIDE_MAX_BLOCK_VALUES launch the ordinary programs alone."""
+    for arch, mma in ((90, "wgmma.mma_async"), (100, "tcgen05.mma")):
+        for G in (16, 1):
+            for mode in ("fwd", "bwd"):
+                q_launches = [x for x in _compile_nsa(arch, mode, G, 192, 128, 64, 16, BF, monkeypatch)
+                              if x.kernel in ("nsa_fwd_kernel", "nsa_bwd_dq_kernel")]
+                wide, ordinary = q_launches
+                assert wide.meta["PACK"] * wide.meta["BLOCK_G"] == 64 and wide.meta["GATE"], (arch, G, mode)
+                assert ordinary.meta["PACK"] * ordinary.meta["BLOCK_G"] == 16 and ordinary.meta["GATE"]
+                assert mma in wide.compiled.asm["ptx"] and "mma.sync" not in wide.compiled.asm["ptx"], (arch, G, mode)
+                assert "mma.sync" in ordinary.compiled.asm["ptx"], (arch, G, mode)
+    for arch, G, Dqk, Dv, bs, dtype in ((80, 16, 192, 128, 64, BF), (120, 1, 192, 128, 64, BF),
+                                        (90, 16, 192, 128, 64, torch.float32), (90, 16, 256, 128, 128, BF)):
+        q_launches = [x for x in _compile_nsa(arch, "fwd", G, Dqk, Dv, bs, 16, dtype, monkeypatch)]
+        assert [x.meta["GATE"] for x in q_launches] == [False], (arch, G, Dqk, Dv, bs, dtype)
 
 
 def test_nsa_fp32_inputs_compile_at_the_paper_shape(monkeypatch):
@@ -233,7 +262,7 @@ def test_auto_keeps_triton_where_the_kernel_fits(monkeypatch):
     with _triton.offline_compile(90) as launches, warnings.catch_warnings():
         warnings.simplefilter("error")
         api.nsa_selected_attention_grad(*args, **kw, backend="auto", deterministic=True)
-    assert [x.kernel for x in launches] == DET
+    assert [x.kernel for x in launches] == _expected(DET, 90, 16, 192, 128, 64, torch.bfloat16)
 
 
 @pytest.mark.parametrize("arch", [90, 100, 80, 120])

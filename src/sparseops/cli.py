@@ -826,7 +826,8 @@ def fit_lines(rows: list[dict]) -> list[str]:
         if "error" in r:
             lines.append(f"  {r['variant']:<14} does not fit: {r['error']}")
         else:
-            lines.append(f"  {r['variant']:<14} {r['kernel']:<24} warps={r['warps']:<2} stages={r['stages']} "
+            rows = f"rows={r['rows']}" if r.get("rows") else ""
+            lines.append(f"  {r['variant']:<14} {r['kernel']:<24} {rows:<7} warps={r['warps']:<2} stages={r['stages']} "
                          f"smem={r['shared'] / 1024:>6.1f} KiB  regs={r['registers']:<3} spill={r['spill_bytes']} B")
     return lines
 

@@ -149,8 +149,10 @@ def test_packed_tokens_select_different_blocks(causal):
 
 
 def test_packed_path_is_taken(monkeypatch):
-    """G < 16 launches the packed kernels (the pack table is built, P > 1); G = 16 keeps one token per program."""
+    """G < 16 launches the packed kernels (the pack table is built, P > 1); G = 16 keeps one token per program.
+    Wide packs (64 rows: 32 tokens at G = 2, 4 at G = 16) get a table of their own, in the forward and in dQ."""
     assert [triton_impl.pack_size(g) for g in (1, 2, 3, 4, 8, 9, 16, 32)] == [16, 8, 4, 4, 2, 1, 1, 1]
+    assert [triton_impl.wide_pack_size(g) for g in (1, 2, 3, 4, 8, 9, 16, 32)] == [64, 32, 16, 16, 8, 4, 4, 2]
     seen = []
     real = triton_impl.build_pack_table
 
@@ -159,7 +161,7 @@ def test_packed_path_is_taken(monkeypatch):
         return real(topk, cu_q, P)
 
     monkeypatch.setattr(triton_impl, "build_pack_table", spy)
-    for N1, expect in ((4, [8, 8]), (32, [])):  # N2 = 2: G = 2, then G = 16
+    for N1, expect in ((4, [8, 32, 8, 32]), (32, [4, 4])):  # N2 = 2: G = 2, then G = 16
         seen.clear()
         c = _case([5, 4], N1=N1, N2=2, Dqk=16, Dv=16, bs=16, K=2)
         out, m, l = _fwd(triton_impl, c)
@@ -186,6 +188,111 @@ def test_pack_table_invariants():
             nu = int(pk["pk_nu"][i, n2])
             assert nu == len(want)
             assert pk["pk_ids"][i, n2, :nu].tolist() == want and (pk["pk_ids"][i, n2, nu:] == -1).all()
+
+
+def _share_first_packs(c, P):
+    """``c`` with every token of the first P-token pack of each sequence given the selection of that pack's last
+    token (so the pack shares all its blocks); the other tokens keep their own draws."""
+    t = c["topk"].clone()
+    for a, b in zip(c["cu_q"][:-1], c["cu_q"][1:]):
+        last = min(b, a + P) - 1
+        if b > a:
+            t[a:last + 1] = t[last]
+    return {**c, "topk": t}
+
+
+def _plan(c):
+    q, topk = c["q"], c["topk"]
+    G, K = q.shape[1] // topk.shape[1], topk.shape[2]
+    _, pos = triton_impl.token_seq_positions(c["cu_q"], device=q.device)
+    heads = triton_impl._head_blocks(q.shape[2], c["v"].shape[2])
+    return triton_impl._q_plan(q, topk, c["cu_q"], G, K, c["bs"], heads, pos.to(torch.int32))
+
+
+# (id, N1, N2, K, ordinary programs): G = 16, 32, 12 (one token per ordinary program; 12 pads its heads to 16),
+# 2 and 3 (packs of 8 and 4)
+WIDE_CASES = [("G16", 32, 2, 3, 1), ("G32", 32, 1, 2, 1), ("G12", 12, 1, 3, 1), ("G2", 4, 2, 3, 8), ("G3", 3, 1, 2, 4)]
+
+
+@pytest.mark.parametrize("N1, N2, K, P_s", [c[1:] for c in WIDE_CASES], ids=[c[0] for c in WIDE_CASES])
+def test_wide_plan_gives_each_token_to_one_program(N1, N2, K, P_s):
+    """``_q_plan``: a wide pack (64 tile rows) runs where its distinct blocks are at most WIDE_SHARE of the block
+    steps of the ordinary programs covering its tokens, those programs run where it does not, so every (token,
+    KV head) belongs to exactly one running program. Sharing packs go wide, packs that pick their own blocks do not."""
+    G = N1 // N2
+    P_w = triton_impl.wide_pack_size(G)
+    seqs = [P_w + 3, 0, 1, 2 * P_w]  # ragged last packs, an empty and a one-token sequence
+    c = _case(seqs, [40 * P_w, 5, 16, 40 * P_w], N1=N1, N2=N2, Dqk=16, Dv=16, bs=16, K=K, causal=False,
+              empty_frac=0.1, duplicates=True)
+    c = _share_first_packs(c, P_w)
+    (n_w, pk_w, run_w, tile_w, _), (n_s, pk_s, run_s, tile_s, _) = _plan(c)
+    assert tile_w["PACK"] == P_w and tile_w["PACK"] * tile_w["BLOCK_G"] == 64 and tile_s["PACK"] == P_s
+    topk = c["topk"].cpu()
+    T1 = topk.shape[0]
+    seen = torch.zeros(T1, N2, dtype=torch.int64)
+    if P_s == 1:
+        small = [(t, 1) for t in range(T1)]
+    else:
+        small = list(zip(pk_s[0].tolist(), pk_s[1].tolist()))
+    for (a, n), run in zip(small, run_s.cpu()):
+        seen[a:a + n] += run.to(torch.int64)
+    wide_run = []
+    for i, (a, n) in enumerate(zip(pk_w[0].tolist(), pk_w[1].tolist())):
+        seen[a:a + n] += run_w[i].cpu().to(torch.int64)
+        for n2 in range(N2):
+            distinct = lambda x: len({int(b) for b in x.flatten() if b >= 0})  # noqa: E731
+            u = distinct(topk[a:a + n, n2])
+            steps = n * K if P_s == 1 else sum(distinct(topk[s:s + m, n2]) for s, m in small if a <= s < a + n)
+            assert bool(run_w[i, n2]) == (u <= triton_impl.WIDE_SHARE * steps), (i, n2, u, steps)
+            wide_run.append(bool(run_w[i, n2]))
+    assert (seen == 1).all()
+    # the sharing packs of more than one ordinary program (a pack that is one ordinary program gains nothing)
+    pos = triton_impl.token_seq_positions(c["cu_q"])[1]
+    sharing = [i for i, (a, n) in enumerate(zip(pk_w[0].tolist(), pk_w[1].tolist())) if pos[a] == 0 and n > P_s]
+    assert sharing and all(bool(run_w[i].all()) for i in sharing)
+    assert not all(wide_run)  # some packs drew their own blocks and stay ordinary
+
+
+@pytest.mark.parametrize("N1, N2, K, P_s", [c[1:] for c in WIDE_CASES], ids=[c[0] for c in WIDE_CASES])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_wide_and_ordinary_programs_against_reference(N1, N2, K, P_s, causal):
+    """One call with both kinds of programs running (sharing packs wide, the rest ordinary): forward, stats, dQ,
+    dK, dV against the reference; duplicates, -1 slots, ragged packs."""
+    P_w = triton_impl.wide_pack_size(N1 // N2)
+    # blocks drawn from the whole long key sequences, also where the op masks causally (later blocks: invisible)
+    c = _case([P_w + 3, 0, 1, P_w + 1], [40 * P_w, 5, 16, 40 * P_w], N1=N1, N2=N2, Dqk=32, Dv=16, bs=16, K=K,
+              causal=False, empty_frac=0.1, duplicates=True)
+    c = {**_share_first_packs(c, P_w), "causal": causal}
+    (_, _, run_w, _, _), (_, _, run_s, _, _) = _plan(c)
+    assert run_w.any() and run_s.any()
+    _check(c, torch.float32, deterministic_too=False)
+
+
+@pytest.mark.parametrize("share", [0.0, float("inf")], ids=["ordinary-only", "wide-only"])
+@pytest.mark.parametrize("kw", [c[1] for c in CASES + PACK_CASES], ids=[c[0] for c in CASES + PACK_CASES])
+def test_wide_or_ordinary_only(monkeypatch, kw, share):
+    """WIDE_SHARE = 0: the ordinary programs run (wide ones only for packs with no block at all); inf: every pack
+    runs wide where wide packs are on (not at bs = 128 with Dqk = Dv = 256: WIDE_MAX_BLOCK_VALUES)."""
+    monkeypatch.setattr(triton_impl, "WIDE_SHARE", share)
+    c = _case(**{"Dqk": 32, "Dv": 16, "bs": 16, **kw})
+    _check(c, torch.float32, deterministic_too=False)
+
+
+def test_wide_packs_off(monkeypatch):
+    """WIDE_ROWS = 0, GPUs with only mma.sync, and blocks past WIDE_MAX_BLOCK_VALUES: one ungated launch."""
+    from sparseops import _triton
+
+    c = _case([9, 20], N1=32, N2=2, Dqk=32, Dv=16, bs=16, K=2)
+    assert len(_plan(c)) == 2
+    monkeypatch.setattr(triton_impl, "WIDE_MAX_BLOCK_VALUES", 16 * 48 - 1)
+    assert [x[2] for x in _plan(c)] == [None]
+    monkeypatch.undo()
+    monkeypatch.setattr(_triton, "arch", lambda device: 80)
+    assert [x[2] for x in _plan(c)] == [None]
+    monkeypatch.undo()
+    monkeypatch.setattr(triton_impl, "WIDE_ROWS", 0)
+    assert [x[2] for x in _plan(c)] == [None]
+    _check(c, torch.float32, deterministic_too=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -369,7 +476,7 @@ def test_shared_memory_shortfall_retries_then_errors_clearly(monkeypatch):
     fwd = _ShortOfSharedMemory(kern.nsa_fwd_kernel, fits=1)
     monkeypatch.setattr(kern, "nsa_fwd_kernel", fwd)
     got = _fwd(triton_impl, c)
-    assert fwd.tries == [2, 1]
+    assert fwd.tries == [2, 1, 2, 1]  # the wide launch, then the ordinary one
     for x, y in zip(got, want):
         assert torch.equal(x, y)
     dkv = _ShortOfSharedMemory(kern.nsa_bwd_dkv_kernel, fits=0)
@@ -383,6 +490,52 @@ def test_shared_memory_shortfall_retries_then_errors_clearly(monkeypatch):
     with pytest.raises(ValueError, match=r"nsa_bwd_dkv_kernel: G=2, selected_block_count=2, selected_block_size=16"):
         grad_op(q, k, v, out, torch.ones_like(out), smax, ssum, a["topk_indices"], backend="triton", **kw)
     assert dkv.tries == [2, 1]
+
+
+def test_programs_flagged_off_write_nothing(monkeypatch):
+    """The run flags gate the forward and dQ programs: with every flag off, the outputs stay as allocated."""
+    real_plan, real_empty, real_empty_like = triton_impl._q_plan, torch.empty, torch.empty_like
+    monkeypatch.setattr(triton_impl, "_q_plan", lambda *a, **kw: [
+        (n, pk, torch.zeros_like(run), tile, warps) for n, pk, run, tile, warps in real_plan(*a, **kw)])
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: testing.poison_(real_empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: testing.poison_(real_empty_like(*a, **kw)))
+    c = _case([9, 14], N1=4, N2=2, Dqk=32, Dv=16, bs=16, K=2)
+    out, m, l = _fwd(triton_impl, c)
+    assert out.isnan().all() and m.isnan().all() and l.isnan().all()
+    dq, _, _ = _bwd(triton_impl, c, torch.zeros_like(out), torch.zeros_like(m), torch.ones_like(l))
+    assert dq.isnan().all()
+
+
+def test_wide_launch_that_does_not_fit_leaves_its_tokens_to_the_ordinary_one(monkeypatch):
+    """A wide forward / dQ launch short of shared memory even unpipelined: the ordinary launch runs ungated and
+    covers every token (same results as without wide packs)."""
+    from triton.runtime.errors import OutOfResources
+
+    from sparseops import _triton
+    from sparseops.nsa import triton_kernels as kern
+
+    monkeypatch.setattr(_triton, "_STAGES", {})
+    monkeypatch.setattr(_triton, "_NO_FIT", {})
+    c = _case([9, 14], N1=32, N2=2, Dqk=32, Dv=16, bs=16, K=2, duplicates=True)
+    calls = []
+
+    class WideDoesNotFit:
+        def __init__(self, kernel):
+            self.kernel, self.__name__ = kernel, kernel.__name__
+
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                calls.append((self.__name__, kw["PACK"], kw["GATE"]))
+                if kw["PACK"] > 1:
+                    raise OutOfResources(300_000, 232_448, "shared memory")
+                return self.kernel[grid](*args, **kw)
+            return run
+
+    for name in ("nsa_fwd_kernel", "nsa_bwd_dq_kernel"):
+        monkeypatch.setattr(kern, name, WideDoesNotFit(getattr(kern, name)))
+    _check(c, torch.float32, deterministic_too=False)
+    assert ("nsa_fwd_kernel", 1, False) in calls and ("nsa_bwd_dq_kernel", 1, False) in calls
+    assert all(not gate for _, pack, gate in calls if pack == 1)
 
 
 def test_every_output_element_is_written(monkeypatch):

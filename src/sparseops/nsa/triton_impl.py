@@ -9,8 +9,11 @@ Same internal signatures as ``reference.py`` (docs/internals.md). Arguments are 
   ``x = j * next_pow2(G) + g`` is head g of token j. ``build_pack_table`` (torch ops on the device) lists each
   pack's distinct selected blocks; each is loaded and multiplied once for all rows, and a row sees it where
   its own token selected it (counted in the kernel from ``topk``: a block picked twice counts twice) and,
-  under causal masking, up to its own token's position. Not yet run on a GPU.
-- ``backward``: dQ query-major with the forward's grid and packing (no atomics; it also writes
+  under causal masking, up to its own token's position. On sm_90 / sm_100 (half precision) packs of 64 rows
+  (``wide_pack_size``: 4 tokens at G = 16) run instead where their tokens share enough blocks (``WIDE_SHARE``,
+  decided on the device by ``_q_plan``; both launches gated by per-program run flags); their products compile
+  to wgmma / tcgen05. Not yet run on a GPU.
+- ``backward``: dQ query-major with the forward's grids, packing and wide packs (no atomics; it also writes
   ``D = rowsum(dY * O)``), then dK/dV
   key-block-major over an inverse index (for each key block of each KV head, the stably sorted list of
   query tokens that selected it, built with torch ops on the device, no host sync). Each index list is
@@ -46,6 +49,19 @@ DKV_ROWS_MMA_SYNC = 16
 DKV_KEY_ROWS = 64
 #: tile rows the forward / dQ kernels fill by packing consecutive tokens when G < 16 (mma.sync needs M >= 16)
 PACK_ROWS = 16
+#: tile rows of a *wide* pack, tried on GPUs with warpgroup MMA (sm_90, sm_100; and under the interpreter): at
+#: 64 rows the forward / dQ products compile to wgmma (16 and 32 rows stay mma.sync on sm_90: PTX of the offline
+#: compile), and a block that the pack's tokens share is loaded once for all of them. 0 turns wide packs off.
+WIDE_ROWS = 64
+#: a (wide pack, KV head) runs as one wide program when its distinct blocks are at most this share of the block
+#: steps its tokens take in ordinary programs (their packs' distinct blocks; K per token when G >= 9), else as
+#: those ordinary programs. 0.5: a 64-row step costs about twice a 16-row one (4x the FLOPs on ~2x faster MMA,
+#: the same K/V bytes). Decided on the device per (pack, KV head), no host sync. Untuned (``gpu_nsa.py --tune``).
+WIDE_SHARE = 0.5
+#: wide packs only where a key block holds at most this many values (padded ``bs * (Dqk + Dv)``): 128 x (256 + 64)
+#: and 64 x (256 + 256) compile without spills on sm_90 (at most 200 KiB of shared memory), 128 x (256 + 128)
+#: spills ~400 bytes per thread in the dQ kernel (offline compile)
+WIDE_MAX_BLOCK_VALUES = 40960
 #: default (non-deterministic) backward: compute dQ inside the dK/dV kernel with fp32 atomics instead of the
 #: query-major dQ kernel (saves re-gathering every selected K/V block; costs a [T1, N1, Dqk] fp32 buffer).
 #: Off until measured on a GPU (``benchmarks/gpu_nsa.py --tune`` times both); the deterministic path never uses it.
@@ -140,11 +156,26 @@ def pack_size(G: int) -> int:
     return max(1, PACK_ROWS // _next_pow2(G))
 
 
-def _q_tile(G: int, K: int, bs: int, heads: dict, dq: bool = False) -> tuple[dict, int]:
-    """Tile constexprs of the query-major kernels (rows = PACK tokens x BLOCK_G heads) and their warp count:
-    4 for 16 rows, 8 for more. The packed dQ also takes 8 when a key block holds >= 32K values (padded
-    ``bs * (Dqk + Dv)``, e.g. bs = 64 with Dqk = Dv = 256): with 4 it spills there (sm_90 compile check)."""
-    P = pack_size(G)
+def wide_pack_size(G: int) -> int:
+    """Query tokens per wide program: ``WIDE_ROWS // next_pow2(G)`` (G = 16: 4, G = 32: 2, G = 1: 64)."""
+    return max(1, WIDE_ROWS // _next_pow2(G))
+
+
+def _wide_on(q, G: int, bs: int, heads: dict) -> bool:
+    """Whether the forward / dQ launches try wide packs: half-precision inputs on warpgroup-MMA GPUs (fp32 dots are
+    exact ``ieee`` ones, no tensor cores to gain; the interpreter takes them for every dtype), when a wide pack
+    holds more tokens than an ordinary one and a key block is at most ``WIDE_MAX_BLOCK_VALUES``."""
+    return (WIDE_ROWS > 0 and not _triton.mma_sync_only(_triton.arch(q.device))
+            and (q.dtype != torch.float32 or _interpreting())
+            and wide_pack_size(G) > pack_size(G) and _block_values(bs, heads) <= WIDE_MAX_BLOCK_VALUES)
+
+
+def _q_tile(G: int, K: int, bs: int, heads: dict, dq: bool = False, P: int | None = None) -> tuple[dict, int]:
+    """Tile constexprs of the query-major kernels (rows = P tokens x BLOCK_G heads; ``P = pack_size(G)`` unless
+    given) and their warp count: 4 for 16 rows, 8 for more. The packed dQ also takes 8 when a key block holds
+    >= 32K values (padded ``bs * (Dqk + Dv)``, e.g. bs = 64 with Dqk = Dv = 256): with 4 it spills there (sm_90
+    compile check)."""
+    P = pack_size(G) if P is None else P
     block_g = _next_pow2(G) if P > 1 else max(16, _next_pow2(G))
     wide = dq and P > 1 and _block_values(bs, heads) >= 32768
     return {"BLOCK_G": block_g, "PACK": P, "BLOCK_K": _next_pow2(K)}, 4 if P * block_g <= 16 and not wide else 8
@@ -192,13 +223,63 @@ def build_pack_table(topk, cu_q, P: int) -> dict:
 
 
 def _q_launch(topk, cu_q, G, K, bs, heads, pos, dq=False):
-    """Grid size, pack-table kernel arguments, constexprs and warps of the forward / dQ kernels."""
+    """Grid size, pack-table kernel arguments, constexprs and warps of the ordinary forward / dQ launch."""
     tile, warps = _q_tile(G, K, bs, heads, dq)
     if tile["PACK"] == 1:
         # the kernels never read the pack table: any int tensor stands in
         return topk.shape[0], (pos, pos, pos, pos), tile, warps
     pk = build_pack_table(topk, cu_q, tile["PACK"])
     return pk["n_packs"], (pk["pk_t0"], pk["pk_n"], pk["pk_ids"], pk["pk_nu"]), tile, warps
+
+
+def _q_plan(q, topk, cu_q, G, K, bs, heads, pos, dq=False) -> list[tuple]:
+    """The forward / dQ launches, ``[(n_programs, pack-table args, run, tile, warps)]``.
+
+    Without wide packs (``_wide_on``): the ordinary launch, ``run = None`` (every program runs). With them: the
+    wide launch, then the ordinary one, each with ``run [n_programs, N2]`` int8 flags that give every (token,
+    KV head) to exactly one of them: a wide pack runs where its distinct blocks ``U`` are at most ``WIDE_SHARE``
+    of the block steps of the ordinary programs that cover its tokens, and those programs run where it does not.
+    """
+    n_s, pk_s, tile_s, warps_s = _q_launch(topk, cu_q, G, K, bs, heads, pos, dq)
+    dev = topk.device
+    if not _wide_on(q, G, bs, heads):
+        return [(n_s, pk_s, None, tile_s, warps_s)]
+    T1 = topk.shape[0]
+    P_w = wide_pack_size(G)
+    tile_w, warps_w = _q_tile(G, K, bs, heads, dq, P=P_w)
+    w = build_pack_table(topk, cu_q, P_w)
+    tok_w = torch.repeat_interleave(torch.arange(w["n_packs"], device=dev), w["pk_n"].to(torch.int64),
+                                    output_size=T1)  # the wide pack of each token
+    if tile_s["PACK"] == 1:
+        w_of_s = tok_w  # ordinary programs are tokens, K block steps each
+        steps = w["pk_n"].to(torch.float32)[:, None] * K
+    else:
+        w_of_s = tok_w[pk_s[0]]  # packs never cross a sequence, wide ones are whole ordinary ones
+        steps = torch.zeros(w["pk_nu"].shape, dtype=torch.float32, device=dev).index_add_(
+            0, w_of_s, pk_s[3].to(torch.float32))
+    run_w = w["pk_nu"].to(torch.float32) <= WIDE_SHARE * steps  # [n_w, N2]
+    run_s = ~run_w[w_of_s]
+    return [
+        (w["n_packs"], (w["pk_t0"], w["pk_n"], w["pk_ids"], w["pk_nu"]), run_w.to(torch.int8).contiguous(),
+         tile_w, warps_w),
+        (n_s, pk_s, run_s.to(torch.int8).contiguous(), tile_s, warps_s),
+    ]
+
+
+def _launch_q(kernel, plan, dev, head, tail, **meta) -> None:
+    """Launch the ``_q_plan`` launches of ``kernel`` with arguments ``(*head, *pack table, run, *tail)``. A wide
+    launch that does not fit the device's shared memory leaves all its tokens to the ordinary launch."""
+    wide_failed = False
+    for i, (n, pk, run, tile, warps) in enumerate(plan):
+        gate = run is not None and not wide_failed
+        try:
+            _triton.launch(kernel, (n, meta["N2"]), dev, (*head, *pk, run if gate else pk[0], *tail), num_warps=warps,
+                           GATE=gate, **tile, **meta)
+        except _triton.DoesNotFit:
+            if i + 1 < len(plan):
+                wide_failed = True
+                continue
+            raise
 
 
 def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
@@ -216,11 +297,11 @@ def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
     q, k, v, topk = q.contiguous(), k.contiguous(), v.contiguous(), topk.contiguous()
     _, pos, kv0, s2 = _token_meta(cu_q, cu_kv, q.device)
     heads = _head_blocks(Dqk, Dv)
-    n_packs, pk, tile, warps = _q_launch(topk, cu_q, G, K, bs, heads, pos)
-    _triton.launch(
-        kern.nsa_fwd_kernel, (n_packs, N2), q.device, (q, k, v, topk, out, m, l, pos, kv0, s2, *pk, float(scale)),
-        num_warps=warps, num_stages=FWD_STAGES, shape=_shape(G, K, bs, Dqk, Dv),
-        N1=N1, N2=N2, G=G, K=K, BS=bs, BLOCK_BS=_next_pow2(bs), Dqk=Dqk, Dv=Dv, **tile,
+    _launch_q(
+        kern.nsa_fwd_kernel, _q_plan(q, topk, cu_q, G, K, bs, heads, pos), q.device,
+        (q, k, v, topk, out, m, l, pos, kv0, s2), (float(scale),),
+        num_stages=FWD_STAGES, shape=_shape(G, K, bs, Dqk, Dv),
+        N1=N1, N2=N2, G=G, K=K, BS=bs, BLOCK_BS=_next_pow2(bs), Dqk=Dqk, Dv=Dv,
         CAUSAL=bool(causal), **heads, **_dot_args(q), USE_WHILE=_interpreting(),
     )
     return out, m, l
@@ -323,12 +404,11 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     else:
         dq32 = delta  # unused stand-in pointer
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-        n_packs, pk, tile, warps = _q_launch(topk, cu_q, G, K, bs, heads, pos, dq=True)
-        _triton.launch(
-            kern.nsa_bwd_dq_kernel, (n_packs, N2), dev,
-            (q, k, v, out, dout, m, l, delta, topk, dq, pos, kv0, s2, *pk, float(scale)),
-            num_warps=warps, num_stages=FWD_STAGES, shape=shape,
-            N1=N1, N2=N2, G=G, K=K, BS=bs, BLOCK_BS=block_bs, Dqk=Dqk, Dv=Dv, **tile,
+        _launch_q(
+            kern.nsa_bwd_dq_kernel, _q_plan(q, topk, cu_q, G, K, bs, heads, pos, dq=True), dev,
+            (q, k, v, out, dout, m, l, delta, topk, dq, pos, kv0, s2), (float(scale),),
+            num_stages=FWD_STAGES, shape=shape,
+            N1=N1, N2=N2, G=G, K=K, BS=bs, BLOCK_BS=block_bs, Dqk=Dqk, Dv=Dv,
             CAUSAL=bool(causal), **heads, **dots, USE_WHILE=_interpreting(),
         )
 
@@ -379,7 +459,8 @@ def compile_report(arch: int, *, G: int, N2: int = 1, Dqk: int, Dv: int, bs: int
     (atomic, deterministic, ``DQ_ATOMIC``) for ``sm_<arch>`` at this shape (``_triton.offline_compile``).
 
     The shape is checked like the op's arguments first (``ValueError`` / ``TypeError``). Returns one dict per
-    launch, ``{"variant", "kernel", "warps", "stages", "shared", "registers", "spill_bytes"}``, or per variant
+    launch, ``{"variant", "kernel", "rows", "warps", "stages", "shared", "registers", "spill_bytes"}`` (``rows``:
+    tile rows of a forward / dQ / dK/dV step, so the wide and ordinary launches tell apart), or per variant
     that does not fit that GPU ``{"variant", "error"}`` (what ``backend="triton"`` would raise there).
     """
     global DQ_ATOMIC
@@ -413,6 +494,7 @@ def compile_report(arch: int, *, G: int, N2: int = 1, Dqk: int, Dv: int, bs: int
         finally:
             DQ_ATOMIC = saved
         for x in launches:
-            rows.append({"variant": variant, "kernel": x.kernel, "warps": x.num_warps, "stages": x.stages,
-                         "shared": x.shared, **x.resources()})
+            tile = x.meta.get("PACK", x.meta.get("BLOCK_E", 0)) * x.meta.get("BLOCK_G", 0)
+            rows.append({"variant": variant, "kernel": x.kernel, "rows": tile or None, "warps": x.num_warps,
+                         "stages": x.stages, "shared": x.shared, **x.resources()})
     return rows

@@ -136,19 +136,25 @@ def _pack_rows(i_p, i_n2, pk_t0, pk_n, tok_pos, tok_kv0, tok_s2, N1: tl.constexp
 @triton.jit
 def nsa_fwd_kernel(
     q, k, v, topk, o, m_out, l_out,
-    tok_pos, tok_kv0, tok_s2, pk_t0, pk_n, pk_ids, pk_nu,
+    tok_pos, tok_kv0, tok_s2, pk_t0, pk_n, pk_ids, pk_nu, run,
     scale,
     N1: tl.constexpr, N2: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BS: tl.constexpr, BLOCK_BS: tl.constexpr,
     Dqk: tl.constexpr, Dv: tl.constexpr,
     BLOCK_G: tl.constexpr, PACK: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, HAS_D2: tl.constexpr,
     BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, USE_WHILE: tl.constexpr,
+    GATE: tl.constexpr,
 ):
     """One program per (pack of PACK consecutive query tokens of one sequence, KV head); the tile rows are the
     pack's (token, head) pairs. PACK == 1 (G >= 9): the token's K slots in order. PACK > 1: the pack's distinct
-    selected blocks (``pk_ids``, ``pk_nu`` of them), each loaded and multiplied once for all rows."""
+    selected blocks (``pk_ids``, ``pk_nu`` of them), each loaded and multiplied once for all rows.
+    GATE: the program runs only where ``run[pack, n2]`` is set (wide packs and ordinary programs split the
+    tokens between two launches, ``triton_impl._q_plan``)."""
     i_p = tl.program_id(0).to(tl.int64)
     i_n2 = tl.program_id(1).to(tl.int64)
+    if GATE:
+        if tl.load(run + i_p * N2 + i_n2) == 0:
+            return
     t0, n_tok, s1, kv0, S2, o_h, m_x, o_xj = _pack_rows(i_p, i_n2, pk_t0, pk_n, tok_pos, tok_kv0, tok_s2, N1, G,
                                                         BLOCK_G, PACK)
     ROWS: tl.constexpr = PACK * BLOCK_G
@@ -226,18 +232,22 @@ def _dq_step(
 @triton.jit
 def nsa_bwd_dq_kernel(
     q, k, v, o, do, m_in, l_in, delta, topk, dq,
-    tok_pos, tok_kv0, tok_s2, pk_t0, pk_n, pk_ids, pk_nu,
+    tok_pos, tok_kv0, tok_s2, pk_t0, pk_n, pk_ids, pk_nu, run,
     scale,
     N1: tl.constexpr, N2: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BS: tl.constexpr, BLOCK_BS: tl.constexpr,
     Dqk: tl.constexpr, Dv: tl.constexpr,
     BLOCK_G: tl.constexpr, PACK: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, HAS_D2: tl.constexpr,
     BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, USE_WHILE: tl.constexpr,
+    GATE: tl.constexpr,
 ):
-    """dQ, query-major with the forward's grid and token packing, no atomics.
+    """dQ, query-major with the forward's grid, token packing and gating, no atomics.
     Also writes ``delta = rowsum(dO * O)`` (fp32) for the dK/dV kernel."""
     i_p = tl.program_id(0).to(tl.int64)
     i_n2 = tl.program_id(1).to(tl.int64)
+    if GATE:
+        if tl.load(run + i_p * N2 + i_n2) == 0:
+            return
     t0, n_tok, s1, kv0, S2, o_h, m_x, o_xj = _pack_rows(i_p, i_n2, pk_t0, pk_n, tok_pos, tok_kv0, tok_s2, N1, G,
                                                         BLOCK_G, PACK)
     ROWS: tl.constexpr = PACK * BLOCK_G
