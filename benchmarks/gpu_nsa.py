@@ -281,6 +281,10 @@ def run_row(device, T, G, dtype, smoke, cfg, pattern="uniform"):
     dout = torch.randn_like(out)
     row = {"T": T, "G": G, "selection": pattern, "N2": N2, "Dqk": Dqk, "Dv": Dv, "bs": bs, "K": K, "visible_pairs": vis,
            "fwd_flop": fwd_flop, "bwd_flop": bwd_flop, **traffic(q, topk, vis, bs, Dv, cu)}
+    # what the forward's launches do here: wide / ordinary programs and their block loads, against one per token
+    pack = triton_impl.pack_stats(q, topk, cu, bs, Dv)
+    row.update({f"fwd_{n}": x for n, x in pack.items()})
+    row["fwd_block_loads_vs_per_token"] = (pack["wide_steps"] + pack["ordinary_steps"]) / max(1, pack["token_steps"])
     row["fwd_ms"] = bench(lambda: triton_impl.forward(q, k, v, topk, sc, bs, cu, cu, True), smoke)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -491,12 +495,14 @@ def main():
         print(f"row T={T} G={G} {pattern}: fwd {r['fwd_ms']:.3f} ms, bwd {r['bwd_ms']:.3f} ms, det {r['bwd_det_ms']:.3f} ms",
               flush=True)
 
-    hdr = (f"{'T':>6} {'G':>3} {'sel':>7} | {'fwd ms':>8} {'TF/s':>6} {'%mm':>5} {'xcopy':>5} | {'bwd ms':>8} {'TF/s':>6} "
+    hdr = (f"{'T':>6} {'G':>3} {'sel':>7} | {'fwd ms':>8} {'TF/s':>6} {'%mm':>5} {'xcopy':>5} {'loads':>5} | "
+           f"{'bwd ms':>8} {'TF/s':>6} "
            f"{'%mm':>5} {'xcopy':>5} | {'det ms':>8} {'det/def':>7} | fla")
     print()
     print(f"NSA selected attention, N2={cfg['N2']} Dqk={cfg['Dqk']} Dv={cfg['Dv']} bs={cfg['bs']} K={cfg['K']}, "
           f"causal, {str(dtype).replace('torch.', '')}; matmul {mm:.1f} TFLOP/s, copy {bw:.0f} GB/s; FLOPs on "
-          "visible keys; xcopy = gathered K/V bytes per second / copy bandwidth; sel = block ids drawn uniformly "
+          "visible keys; xcopy = gathered K/V bytes per second / copy bandwidth; loads = key blocks the forward "
+          "loads (wide packs share them) / one load per token's slot; sel = block ids drawn uniformly "
           "per token, or NSA-like (first/own/previous block forced, the rest shared per 64-token window)")
     print(hdr)
     print("-" * len(hdr))
@@ -508,7 +514,8 @@ def main():
             f"fwd {r['fla_fwd_ms']:.3f} ms (x{r['fwd_speedup_vs_fla']:.2f}), bwd {r['fla_bwd_ms']:.3f} ms "
             f"(x{r['bwd_speedup_vs_fla']:.2f})")
         print(f"{r['T']:>6} {r['G']:>3} {r['selection']:>7} | {r['fwd_ms']:>8.3f} {r['fwd_tflops']:>6.1f} {r['fwd_pct_matmul']:>5.1f} "
-              f"{r['fwd_gather_x_copy']:>5.2f} | {r['bwd_ms']:>8.3f} {r['bwd_tflops']:>6.1f} "
+              f"{r['fwd_gather_x_copy']:>5.2f} {r['fwd_block_loads_vs_per_token']:>5.2f} | {r['bwd_ms']:>8.3f} "
+              f"{r['bwd_tflops']:>6.1f} "
               f"{r['bwd_pct_matmul']:>5.1f} {r['bwd_gather_x_copy']:>5.2f} | "
               f"{r['bwd_det_ms']:>8.3f} {r['det_over_default']:>7.2f} | {fla}")
 

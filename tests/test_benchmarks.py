@@ -116,6 +116,9 @@ def test_gpu_nsa_cpu_smoke(tmp_path):
         # the byte model: every visible key row gathered once per (token, KV head) in fp32
         assert x["fwd_gather_bytes"] == x["visible_pairs"] * (x["Dqk"] + x["Dv"]) * 4
         assert x["bwd_gather_bytes"] > x["fwd_gather_bytes"] > 0 and x["fwd_gather_gbps"] > 0
+        # the forward's plan: every (token, KV head) in one running program; packs load shared blocks once
+        assert x["fwd_token_steps"] == x["T"] * x["N2"] * x["K"] and x["fwd_wide_programs"] >= 0
+        assert 0 < x["fwd_wide_steps"] + x["fwd_ordinary_steps"] <= x["fwd_token_steps"]
     assert any(v.get("DQ_ATOMIC") for v in d["tune"]) and not any("error" in v for v in d["tune"])
     assert all(v["rel_rms_vs_base"] < 1e-5 for v in d["tune"])  # fp32 under the interpreter
     packing = [{k: v[k] for k in ("selection", "WIDE_ROWS", "WIDE_SHARE", "PACK_ROWS") if k in v}

@@ -246,6 +246,13 @@ def test_wide_plan_gives_each_token_to_one_program(N1, N2, K, P_s):
             assert bool(run_w[i, n2]) == (u <= triton_impl.WIDE_SHARE * steps), (i, n2, u, steps)
             wide_run.append(bool(run_w[i, n2]))
     assert (seen == 1).all()
+    stats = triton_impl.pack_stats(c["q"], c["topk"], c["cu_q"], c["bs"], 16)
+    steps_s = [K] * T1 if P_s == 1 else pk_s[3].cpu()
+    assert stats == {
+        "wide_programs": int(run_w.sum()), "ordinary_programs": int(run_s.sum()), "token_steps": T1 * N2 * K,
+        "wide_steps": int(sum(int(pk_w[3][i, n2]) for i in range(n_w) for n2 in range(N2) if run_w[i, n2])),
+        "ordinary_steps": int(sum(int(steps_s[i] if P_s == 1 else steps_s[i, n2]) for i in range(n_s)
+                                  for n2 in range(N2) if run_s[i, n2]))}
     # the sharing packs of more than one ordinary program (a pack that is one ordinary program gains nothing)
     pos = triton_impl.token_seq_positions(c["cu_q"])[1]
     sharing = [i for i, (a, n) in enumerate(zip(pk_w[0].tolist(), pk_w[1].tolist())) if pos[a] == 0 and n > P_s]

@@ -266,6 +266,25 @@ def _q_plan(q, topk, cu_q, G, K, bs, heads, pos, dq=False) -> list[tuple]:
     ]
 
 
+def pack_stats(q, topk, cu_q, bs: int, Dv: int) -> dict:
+    """What the forward's launches will do for these inputs (same plan as ``forward``; a host sync, for
+    benchmarks and docs): running ``wide_programs`` / ``ordinary_programs`` (per KV head) and their block steps
+    (``wide_steps``, ``ordinary_steps``: key blocks loaded and multiplied), and ``token_steps`` = T1·N2·K, the
+    block loads of one program per token."""
+    T1, N2, K = topk.shape
+    G = q.shape[1] // N2
+    _, pos = token_seq_positions(cu_q, device=q.device)
+    plan = _q_plan(q, topk, cu_q, G, K, bs, _head_blocks(q.shape[2], Dv), pos.to(torch.int32))
+    out = {"wide_programs": 0, "wide_steps": 0, "ordinary_programs": 0, "ordinary_steps": 0, "token_steps": T1 * N2 * K}
+    for i, (n, pk, run, tile, _) in enumerate(plan):
+        kind = "wide" if len(plan) == 2 and i == 0 else "ordinary"
+        steps = torch.full((n, N2), K, device=q.device) if tile["PACK"] == 1 else pk[3]
+        on = torch.ones_like(steps, dtype=torch.bool) if run is None else run.bool()
+        out[f"{kind}_programs"] = int(on.sum())
+        out[f"{kind}_steps"] = int(steps[on].sum())
+    return out
+
+
 def _launch_q(kernel, plan, dev, head, tail, **meta) -> None:
     """Launch the ``_q_plan`` launches of ``kernel`` with arguments ``(*head, *pack table, run, *tail)``. A wide
     launch that does not fit the device's shared memory leaves all its tokens to the ordinary launch."""
