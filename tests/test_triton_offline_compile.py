@@ -66,9 +66,10 @@ def _compile_nsa(arch, mode, G, Dqk, Dv, bs, K, dtype, monkeypatch):
 def _expected(kernels, arch, G, Dqk, Dv, bs, dtype):
     """``kernels`` with the forward / dQ kernel launched twice (wide packs, then the ordinary programs) where wide
     packs are on for this GPU and shape (``triton_impl._wide_on``)."""
+    q, heads = torch.empty(0, G, Dqk, dtype=dtype), nsa_triton._head_blocks(Dqk, Dv)
     with _triton.offline_compile(arch):
-        wide = nsa_triton._wide_on(torch.empty(0, G, Dqk, dtype=dtype), G, bs, nsa_triton._head_blocks(Dqk, Dv))
-    twice = ("nsa_fwd_kernel", "nsa_bwd_dq_kernel") if wide else ()
+        twice = [k for k, dq in (("nsa_fwd_kernel", False), ("nsa_bwd_dq_kernel", True))
+                 if nsa_triton._wide_on(q, G, bs, heads, dq)]
     return [n for k in kernels for n in ([k, k] if k in twice else [k])]
 
 
@@ -141,8 +142,9 @@ def test_nsa_paper_shape_on_datacenter_blackwell(monkeypatch):
 
 def test_nsa_wide_packs_multiply_with_warpgroup_mma(monkeypatch):
     """At the paper's shape the wide forward / dQ programs (64 tile rows) compile to wgmma on sm_90 and tcgen05 on
-    sm_100, where the ordinary ones (16 rows) are mma.sync; GPUs with only mma.sync (sm_80, sm_120), fp32 inputs and
-    blocks past WIDE_MAX_BLOCK_VALUES launch the ordinary programs alone."""
+    sm_100, where the ordinary ones (16 rows) are mma.sync. On GPUs with only mma.sync (sm_80, sm_86, sm_120) the
+    wide forward compiles without spills (8 bytes on sm_120) and the dQ has no wide launch; fp32 inputs and blocks past
+    WIDE_MAX_BLOCK_VALUES launch the ordinary programs alone."""
     for arch, mma in ((90, "wgmma.mma_async"), (100, "tcgen05.mma")):
         for G in (16, 1):
             for mode in ("fwd", "bwd"):
@@ -153,8 +155,16 @@ def test_nsa_wide_packs_multiply_with_warpgroup_mma(monkeypatch):
                 assert ordinary.meta["PACK"] * ordinary.meta["BLOCK_G"] == 16 and ordinary.meta["GATE"]
                 assert mma in wide.compiled.asm["ptx"] and "mma.sync" not in wide.compiled.asm["ptx"], (arch, G, mode)
                 assert "mma.sync" in ordinary.compiled.asm["ptx"], (arch, G, mode)
-    for arch, G, Dqk, Dv, bs, dtype in ((80, 16, 192, 128, 64, BF), (120, 1, 192, 128, 64, BF),
-                                        (90, 16, 192, 128, 64, torch.float32), (90, 16, 256, 128, 128, BF)):
+    for arch in (80, 86, 120):
+        for G in (16, 1):
+            wide, ordinary = _compile_nsa(arch, "fwd", G, 192, 128, 64, 16, BF, monkeypatch)
+            assert wide.meta["PACK"] * wide.meta["BLOCK_G"] == 64 and ordinary.meta["GATE"], (arch, G)
+            # sm_120 (64K registers per SM, like sm_86, but a different scheduler): 8 bytes at G = 16
+            assert wide.resources()["spill_bytes"] <= (8 if arch == 120 else 0), (arch, G, wide.resources())
+            dq = [x for x in _compile_nsa(arch, "bwd", G, 192, 128, 64, 16, BF, monkeypatch)
+                  if x.kernel == "nsa_bwd_dq_kernel"]
+            assert [x.meta["GATE"] for x in dq] == [False], (arch, G)
+    for arch, G, Dqk, Dv, bs, dtype in ((90, 16, 192, 128, 64, torch.float32), (90, 16, 256, 128, 128, BF)):
         q_launches = [x for x in _compile_nsa(arch, "fwd", G, Dqk, Dv, bs, 16, dtype, monkeypatch)]
         assert [x.meta["GATE"] for x in q_launches] == [False], (arch, G, Dqk, Dv, bs, dtype)
 

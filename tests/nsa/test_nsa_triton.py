@@ -286,19 +286,34 @@ def test_wide_or_ordinary_only(monkeypatch, kw, share):
 
 
 def test_wide_packs_off(monkeypatch):
-    """WIDE_ROWS = 0, GPUs with only mma.sync, and blocks past WIDE_MAX_BLOCK_VALUES: one ungated launch."""
-    from sparseops import _triton
-
+    """WIDE_ROWS = 0 and blocks past WIDE_MAX_BLOCK_VALUES: one ungated launch."""
     c = _case([9, 20], N1=32, N2=2, Dqk=32, Dv=16, bs=16, K=2)
     assert len(_plan(c)) == 2
     monkeypatch.setattr(triton_impl, "WIDE_MAX_BLOCK_VALUES", 16 * 48 - 1)
     assert [x[2] for x in _plan(c)] == [None]
     monkeypatch.undo()
-    monkeypatch.setattr(_triton, "arch", lambda device: 80)
-    assert [x[2] for x in _plan(c)] == [None]
-    monkeypatch.undo()
     monkeypatch.setattr(triton_impl, "WIDE_ROWS", 0)
     assert [x[2] for x in _plan(c)] == [None]
+    _check(c, torch.float32, deterministic_too=False)
+
+
+def test_wide_packs_on_mma_sync_gpus(monkeypatch):
+    """sm_80 (simulated): the forward takes wide packs by WIDE_SHARE_MMA_SYNC, dQ keeps the ordinary launch alone
+    (its wide tile spills there); both against the reference with wide and ordinary forward programs running."""
+    from sparseops import _triton
+
+    monkeypatch.setattr(_triton, "arch", lambda device: 80)
+    c = _case([7, 0, 1, 6], [640, 5, 16, 640], N1=32, N2=2, Dqk=32, Dv=16, bs=16, K=3, causal=False,
+              empty_frac=0.1, duplicates=True)
+    c = _share_first_packs(c, 4)
+    (n_w, pk_w, run_w, _, _), (_, _, run_s, _, _) = _plan(c)
+    assert run_w.any() and run_s.any()
+    u, n = pk_w[3].float(), pk_w[1].float()[:, None]
+    assert torch.equal(run_w.bool(), u <= triton_impl.WIDE_SHARE_MMA_SYNC * n * 3)
+    q, topk = c["q"], c["topk"]
+    _, pos = triton_impl.token_seq_positions(c["cu_q"], device=q.device)
+    dq_plan = triton_impl._q_plan(q, topk, c["cu_q"], 16, 3, 16, triton_impl._head_blocks(32, 16), pos, dq=True)
+    assert [x[2] for x in dq_plan] == [None]
     _check(c, torch.float32, deterministic_too=False)
 
 

@@ -9,10 +9,11 @@ Same internal signatures as ``reference.py`` (docs/internals.md). Arguments are 
   ``x = j * next_pow2(G) + g`` is head g of token j. ``build_pack_table`` (torch ops on the device) lists each
   pack's distinct selected blocks; each is loaded and multiplied once for all rows, and a row sees it where
   its own token selected it (counted in the kernel from ``topk``: a block picked twice counts twice) and,
-  under causal masking, up to its own token's position. On sm_90 / sm_100 (half precision) packs of 64 rows
+  under causal masking, up to its own token's position. With half-precision inputs, packs of 64 rows
   (``wide_pack_size``: 4 tokens at G = 16) run instead where their tokens share enough blocks (``WIDE_SHARE``,
   decided on the device by ``_q_plan``; both launches gated by per-program run flags); their products compile
-  to wgmma / tcgen05. Not yet run on a GPU.
+  to wgmma / tcgen05 on sm_90 / sm_100 (mma.sync GPUs: forward only, ``WIDE_SHARE_MMA_SYNC``). Not yet run on
+  a GPU.
 - ``backward``: dQ query-major with the forward's grids, packing and wide packs (no atomics; it also writes
   ``D = rowsum(dY * O)``), then dK/dV
   key-block-major over an inverse index (for each key block of each KV head, the stably sorted list of
@@ -49,15 +50,19 @@ DKV_ROWS_MMA_SYNC = 16
 DKV_KEY_ROWS = 64
 #: tile rows the forward / dQ kernels fill by packing consecutive tokens when G < 16 (mma.sync needs M >= 16)
 PACK_ROWS = 16
-#: tile rows of a *wide* pack, tried on GPUs with warpgroup MMA (sm_90, sm_100; and under the interpreter): at
-#: 64 rows the forward / dQ products compile to wgmma (16 and 32 rows stay mma.sync on sm_90: PTX of the offline
-#: compile), and a block that the pack's tokens share is loaded once for all of them. 0 turns wide packs off.
+#: tile rows of a *wide* pack, tried by the forward and dQ on GPUs with warpgroup MMA (sm_90, sm_100; and under
+#: the interpreter), by the forward alone on mma.sync GPUs (sm_8x, sm_120: the wide dQ spills 2-6 KB per thread
+#: there): at 64 rows the products compile to wgmma / tcgen05 (16 and 32 rows stay mma.sync on sm_90: PTX of the
+#: offline compile), and a block that the pack's tokens share is loaded once for all of them. 0: off.
 WIDE_ROWS = 64
 #: a (wide pack, KV head) runs as one wide program when its distinct blocks are at most this share of the block
 #: steps its tokens take in ordinary programs (their packs' distinct blocks; K per token when G >= 9), else as
 #: those ordinary programs. 0.5: a 64-row step costs about twice a 16-row one (4x the FLOPs on ~2x faster MMA,
 #: the same K/V bytes). Decided on the device per (pack, KV head), no host sync. Untuned (``gpu_nsa.py --tune``).
 WIDE_SHARE = 0.5
+#: the same on mma.sync GPUs, where a 64-row step costs about 4x a 16-row one: wide packs never do more MMA work
+#: than the ordinary programs they replace, and load fewer blocks. Untuned.
+WIDE_SHARE_MMA_SYNC = 0.25
 #: wide packs only where a key block holds at most this many values (padded ``bs * (Dqk + Dv)``): 128 x (256 + 64)
 #: and 64 x (256 + 256) compile without spills on sm_90 (at most 200 KiB of shared memory), 128 x (256 + 128)
 #: spills ~400 bytes per thread in the dQ kernel (offline compile)
@@ -161,13 +166,17 @@ def wide_pack_size(G: int) -> int:
     return max(1, WIDE_ROWS // _next_pow2(G))
 
 
-def _wide_on(q, G: int, bs: int, heads: dict) -> bool:
-    """Whether the forward / dQ launches try wide packs: half-precision inputs on warpgroup-MMA GPUs (fp32 dots are
-    exact ``ieee`` ones, no tensor cores to gain; the interpreter takes them for every dtype), when a wide pack
-    holds more tokens than an ordinary one and a key block is at most ``WIDE_MAX_BLOCK_VALUES``."""
-    return (WIDE_ROWS > 0 and not _triton.mma_sync_only(_triton.arch(q.device))
+def _wide_on(q, G: int, bs: int, heads: dict, dq: bool = False) -> bool:
+    """Whether the forward (dQ: ``dq``) launches try wide packs: half-precision inputs (fp32 dots are exact ``ieee``
+    ones, no tensor cores to gain; the interpreter takes them for every dtype), the dQ only on warpgroup-MMA GPUs,
+    when a wide pack holds more tokens than an ordinary one and a key block is at most ``WIDE_MAX_BLOCK_VALUES``."""
+    return (WIDE_ROWS > 0 and not (dq and _triton.mma_sync_only(_triton.arch(q.device)))
             and (q.dtype != torch.float32 or _interpreting())
             and wide_pack_size(G) > pack_size(G) and _block_values(bs, heads) <= WIDE_MAX_BLOCK_VALUES)
+
+
+def _wide_share(q) -> float:
+    return WIDE_SHARE_MMA_SYNC if _triton.mma_sync_only(_triton.arch(q.device)) else WIDE_SHARE
 
 
 def _q_tile(G: int, K: int, bs: int, heads: dict, dq: bool = False, P: int | None = None) -> tuple[dict, int]:
@@ -238,11 +247,12 @@ def _q_plan(q, topk, cu_q, G, K, bs, heads, pos, dq=False) -> list[tuple]:
     Without wide packs (``_wide_on``): the ordinary launch, ``run = None`` (every program runs). With them: the
     wide launch, then the ordinary one, each with ``run [n_programs, N2]`` int8 flags that give every (token,
     KV head) to exactly one of them: a wide pack runs where its distinct blocks ``U`` are at most ``WIDE_SHARE``
-    of the block steps of the ordinary programs that cover its tokens, and those programs run where it does not.
+    (``WIDE_SHARE_MMA_SYNC`` on mma.sync GPUs) of the block steps of the ordinary programs that cover its tokens,
+    and those programs run where it does not.
     """
     n_s, pk_s, tile_s, warps_s = _q_launch(topk, cu_q, G, K, bs, heads, pos, dq)
     dev = topk.device
-    if not _wide_on(q, G, bs, heads):
+    if not _wide_on(q, G, bs, heads, dq):
         return [(n_s, pk_s, None, tile_s, warps_s)]
     T1 = topk.shape[0]
     P_w = wide_pack_size(G)
@@ -257,7 +267,7 @@ def _q_plan(q, topk, cu_q, G, K, bs, heads, pos, dq=False) -> list[tuple]:
         w_of_s = tok_w[pk_s[0]]  # packs never cross a sequence, wide ones are whole ordinary ones
         steps = torch.zeros(w["pk_nu"].shape, dtype=torch.float32, device=dev).index_add_(
             0, w_of_s, pk_s[3].to(torch.float32))
-    run_w = w["pk_nu"].to(torch.float32) <= WIDE_SHARE * steps  # [n_w, N2]
+    run_w = w["pk_nu"].to(torch.float32) <= _wide_share(q) * steps  # [n_w, N2]
     run_s = ~run_w[w_of_s]
     return [
         (w["n_packs"], (w["pk_t0"], w["pk_n"], w["pk_ids"], w["pk_nu"]), run_w.to(torch.int8).contiguous(),
