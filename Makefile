@@ -37,7 +37,7 @@ bench: $(BIN)/.installed
 # the peer and pytest as plain files for the GPU machine, which cannot reach a package index
 # (benchmarks/gpu_nsa_check.sh puts .peers on PYTHONPATH; the device run carries it)
 peers: $(BIN)/.installed
-	$(BIN)/python -m pip install -q --no-deps --target .peers fla-core==0.6.0 einops==0.8.2 pytest==9.2.0 pluggy iniconfig packaging
+	$(BIN)/python -m pip install -q --no-deps --target .peers fla-core==0.6.0 einops==0.8.2 pytest==9.2.0 pytest-xdist==3.8.0 execnet==2.1.2 pluggy iniconfig packaging
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache

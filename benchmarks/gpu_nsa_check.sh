@@ -11,10 +11,12 @@ if [ -d .peers ]; then export PYTHONPATH="$PWD/.peers${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 # find_spec, not import: importing fla takes up to a minute, and the benchmark imports it once anyway
-python -c "import importlib.util as u; print({m: bool(u.find_spec(m)) for m in ('fla', 'einops', 'pytest')})"
+python -c "import importlib.util as u; print({m: bool(u.find_spec(m)) for m in ('fla', 'einops', 'pytest', 'xdist')})"
 timeout "${BENCH_S:-330}" python benchmarks/gpu_nsa.py --tune --out "$OUT/gpu_nsa.json" > "$OUT/bench.log" 2>&1
 echo "bench rc=$?"
 grep -v '^  File\|^    ' "$OUT/bench.log" | tail -60
-timeout "${TEST_S:-100}" python -m pytest tests/nsa/test_nsa_triton.py -q -x -p no:cacheprovider > "$OUT/pytest.log" 2>&1
+# the tests compile ~200 kernel variants (1-2 s each): in 8 processes when pytest-xdist is there (make peers carries it)
+XDIST=$(python -c "import importlib.util as u; print('-n 8' if u.find_spec('xdist') else '')")
+timeout "${TEST_S:-100}" python -m pytest tests/nsa/test_nsa_triton.py -q -x -p no:cacheprovider $XDIST > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$?"
 tail -25 "$OUT/pytest.log"
