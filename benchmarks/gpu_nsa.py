@@ -166,23 +166,25 @@ def check_reference(device):
             testing.assert_close(x, y, torch.float32, f"{name} (tiny, deterministic={det})")
 
 
-def check_dense(device, T, G, dtype, Dqk, Dv, bs, K, N2):
-    """Moderate shape in the benchmark dtype against the dense fp32 gather (inputs upcast from the same values)."""
+def check_dense(device, T, G, dtype, Dqk, Dv, bs, K, N2, pattern="uniform"):
+    """Moderate shape in the benchmark dtype against the dense fp32 gather (inputs upcast from the same values).
+    ``pattern="nsa"``: neighbours share blocks, so the forward and dQ run mostly wide packs."""
     q, k, v, topk, cu = make_inputs([T // 2, T - T // 2], N2=N2, G=G, Dqk=Dqk, Dv=Dv, bs=bs, K=K, dtype=dtype,
-                                    device=device, seed=1)
+                                    device=device, seed=1, pattern=pattern)
     sc = 1.0 / math.sqrt(Dqk)
     out, m, l = triton_impl.forward(q, k, v, topk, sc, bs, cu, cu, True)
     leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
     ref = dense_gather(*leaves, topk, sc, bs, cu, cu, True)
-    testing.assert_close(out, ref, dtype, f"out (T={T}, G={G})")
+    where = f"T={T}, G={G}, {pattern}"
+    testing.assert_close(out, ref, dtype, f"out ({where})")
     dout = torch.randn_like(out)
     ref.backward(dout.float())
     gs = triton_impl.backward(q, k, v, out, dout, m, l, topk, sc, bs, cu, cu, True, deterministic=False)
     gd = triton_impl.backward(q, k, v, out, dout, m, l, topk, sc, bs, cu, cu, True, deterministic=True)
     gd2 = triton_impl.backward(q, k, v, out, dout, m, l, topk, sc, bs, cu, cu, True, deterministic=True)
     for name, x, y, z, w in zip(("dq", "dk", "dv"), gs, gd, gd2, leaves):
-        testing.assert_close(x, w.grad, dtype, f"{name} (T={T}, G={G})")
-        testing.assert_close(y, w.grad, dtype, f"{name} deterministic (T={T}, G={G})")
+        testing.assert_close(x, w.grad, dtype, f"{name} ({where})")
+        testing.assert_close(y, w.grad, dtype, f"{name} deterministic ({where})")
         if not torch.equal(y, z):
             raise AssertionError(f"{name}: deterministic backward differs between two calls")
     try:
@@ -192,10 +194,10 @@ def check_dense(device, T, G, dtype, Dqk, Dv, bs, K, N2):
     # the torch backend on the same (upcast) inputs: a second, independent implementation
     up = [t.detach().float() for t in (q, k, v)]
     t_out, _, _ = torch_impl.forward(*up, topk, sc, bs, cu, cu, True)
-    testing.assert_close(out, t_out, dtype, f"out vs torch_impl (T={T}, G={G})")
+    testing.assert_close(out, t_out, dtype, f"out vs torch_impl ({where})")
     tg = torch_impl.backward(*up, t_out, dout.float(), m, l, topk, sc, bs, cu, cu, True)
     for name, x, y in zip(("dq", "dk", "dv"), gs, tg):
-        testing.assert_close(x, y, dtype, f"{name} vs torch_impl (T={T}, G={G})")
+        testing.assert_close(x, y, dtype, f"{name} vs torch_impl ({where})")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -430,7 +432,8 @@ def main():
     meta = {
         "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit(), "smoke": smoke,
-        "chunk": triton_impl.CHUNK, "dq_atomic": triton_impl.DQ_ATOMIC,
+        "chunk": triton_impl.CHUNK, "dq_atomic": triton_impl.DQ_ATOMIC, "wide_rows": triton_impl.WIDE_ROWS,
+        "wide_share": triton_impl.WIDE_SHARE,
     }
     res = {"meta": meta, "rows": [], "tune": None}
 
@@ -443,9 +446,12 @@ def main():
     check_reference(device)
     if smoke:
         check_dense(device, 40, 2, torch.float32, 48, 32, 16, 2, 2)
+        check_dense(device, 40, 2, torch.float32, 48, 32, 16, 2, 2, pattern="nsa")
     else:
-        check_dense(device, 1024, 16, torch.bfloat16, **{k: PAPER[k] for k in ("Dqk", "Dv", "bs", "K", "N2")})
-        check_dense(device, 512, 1, torch.bfloat16, **{k: PAPER[k] for k in ("Dqk", "Dv", "bs", "K", "N2")})
+        paper = {k: PAPER[k] for k in ("Dqk", "Dv", "bs", "K", "N2")}
+        check_dense(device, 1024, 16, torch.bfloat16, **paper)
+        check_dense(device, 1024, 16, torch.bfloat16, **paper, pattern="nsa")  # wide packs
+        check_dense(device, 512, 1, torch.bfloat16, **paper)
     meta["correct"] = True
     print(f"correctness ok ({time.time() - t0:.1f}s)", flush=True)
 
