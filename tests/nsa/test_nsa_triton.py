@@ -24,6 +24,12 @@ pytestmark = pytest.mark.triton
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "cuda"
 
 
+@pytest.fixture(autouse=True)
+def _wide_packs_in_fp32(monkeypatch):
+    """fp32 inputs take wide packs here on a GPU too, as they always do under the interpreter."""
+    monkeypatch.setattr(triton_impl, "WIDE_FP32", True)
+
+
 def _case(seqs_q, seqs_kv=None, *, dtype=torch.float32, topk=None, seed=0, **kw):
     a = testing.make_nsa_inputs(seqs_q, seqs_kv, dtype=dtype, seed=seed, device=DEVICE, **kw)
     q, k, v = a["query"], a["key"], a["value"]
@@ -286,12 +292,17 @@ def test_wide_or_ordinary_only(monkeypatch, kw, share):
 
 
 def test_wide_packs_off(monkeypatch):
-    """WIDE_ROWS = 0 and blocks past WIDE_MAX_BLOCK_VALUES: one ungated launch."""
+    """WIDE_ROWS = 0, blocks past WIDE_MAX_BLOCK_VALUES and (without WIDE_FP32, on a GPU) fp32 inputs: one ungated
+    launch."""
     c = _case([9, 20], N1=32, N2=2, Dqk=32, Dv=16, bs=16, K=2)
     assert len(_plan(c)) == 2
+    limit = triton_impl.WIDE_MAX_BLOCK_VALUES
     monkeypatch.setattr(triton_impl, "WIDE_MAX_BLOCK_VALUES", 16 * 48 - 1)
     assert [x[2] for x in _plan(c)] == [None]
-    monkeypatch.undo()
+    monkeypatch.setattr(triton_impl, "WIDE_MAX_BLOCK_VALUES", limit)
+    monkeypatch.setattr(triton_impl, "WIDE_FP32", False)
+    assert len(_plan(c)) == (2 if DEVICE == "cpu" else 1)  # the interpreter always takes them
+    monkeypatch.setattr(triton_impl, "WIDE_FP32", True)
     monkeypatch.setattr(triton_impl, "WIDE_ROWS", 0)
     assert [x[2] for x in _plan(c)] == [None]
     _check(c, torch.float32, deterministic_too=False)

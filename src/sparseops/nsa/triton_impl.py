@@ -63,6 +63,9 @@ WIDE_SHARE = 0.5
 #: the same on mma.sync GPUs, where a 64-row step costs about 4x a 16-row one: wide packs never do more MMA work
 #: than the ordinary programs they replace, and load fewer blocks. Untuned.
 WIDE_SHARE_MMA_SYNC = 0.25
+#: fp32 inputs take wide packs too (off: their exact ``ieee`` dots use no tensor cores, so 64 rows gain nothing;
+#: the kernel tests turn it on so that a GPU run checks wide packs in fp32, as the interpreter always does)
+WIDE_FP32 = False
 #: wide packs only where a key block holds at most this many values (padded ``bs * (Dqk + Dv)``): 128 x (256 + 64)
 #: and 64 x (256 + 256) compile without spills on sm_90 (at most 200 KiB of shared memory), 128 x (256 + 128)
 #: spills ~400 bytes per thread in the dQ kernel (offline compile)
@@ -171,7 +174,7 @@ def _wide_on(q, G: int, bs: int, heads: dict, dq: bool = False) -> bool:
     ones, no tensor cores to gain; the interpreter takes them for every dtype), the dQ only on warpgroup-MMA GPUs,
     when a wide pack holds more tokens than an ordinary one and a key block is at most ``WIDE_MAX_BLOCK_VALUES``."""
     return (WIDE_ROWS > 0 and not (dq and _triton.mma_sync_only(_triton.arch(q.device)))
-            and (q.dtype != torch.float32 or _interpreting())
+            and (q.dtype != torch.float32 or WIDE_FP32 or _interpreting())
             and wide_pack_size(G) > pack_size(G) and _block_values(bs, heads) <= WIDE_MAX_BLOCK_VALUES)
 
 
