@@ -146,4 +146,11 @@ def test_gpu_nsa_compile_check_reports_every_variant():
                        ("DQ_ATOMIC", "nsa_bwd_delta_kernel"), ("DQ_ATOMIC", "nsa_bwd_dkv_kernel")}
     assert all(0 < r["registers"] <= 255 and r["shared"] <= 232448 for r in rows)
     rows = gpu_nsa.compile_check(Gs=(32,), cfg=dict(N2=1, Dqk=256, Dv=256, bs=128, K=2), arch=86)
-    assert [r["variant"] for r in rows if "error" in r] == ["backward", "deterministic", "DQ_ATOMIC"]
+    assert not any("error" in r for r in rows)
+    assert {r["keys"] for r in rows if r["kernel"] == "nsa_bwd_dq_kernel"} == {64}  # 128-key blocks in 2 steps
+    from sparseops import _triton
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(_triton.SHARED_LIMIT, 86, 1024)  # a GPU with (much) less: every variant reported, none raised
+        rows = gpu_nsa.compile_check(Gs=(2,), cfg=dict(N2=1, Dqk=32, Dv=16, bs=16, K=2), arch=86)
+    assert [r["variant"] for r in rows if "error" in r] == ["forward", "backward", "deterministic", "DQ_ATOMIC"]

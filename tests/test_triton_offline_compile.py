@@ -177,15 +177,21 @@ def test_nsa_fp32_inputs_compile_at_the_paper_shape(monkeypatch):
         assert all(x.shared <= _triton.SHARED_LIMIT[90] for x in launches)
 
 
-def test_nsa_shortfall_on_a_smaller_gpu_names_shape_need_limit_and_way_out(monkeypatch):
-    """Consumer Ampere (99 KiB per program) cannot hold the dQ kernel at G = 32, Dqk = Dv = 256, bs = 128 (a
-    token's 32 heads against a 128-key block), even unpipelined; the forward fits there with one stage. The error
-    is the launcher's, with the compiled kernel's real need."""
-    assert [x.kernel for x in _compile_nsa(86, "fwd", 32, 256, 256, 128, 16, torch.bfloat16, monkeypatch)] == FWD
+def test_nsa_smaller_gpu_takes_dq_blocks_in_parts_and_names_a_real_shortfall(monkeypatch):
+    """Consumer Ampere (99 KiB per program) cannot hold the dQ kernel's whole 128-key block at G = 32, Dqk = Dv =
+    256 (a token's 32 heads against K/V rows of 128 keys), even unpipelined: the launcher retries it in steps of 64
+    keys, and the whole bf16 backward fits; Hopper keeps the whole block. In fp32 the dK/dV kernel does not fit
+    there, and the error is the launcher's, with the compiled kernel's real need, the limit and the way out."""
+    for mode in ("bwd", "det"):
+        [dq] = [x for x in _compile_nsa(86, mode, 32, 256, 256, 128, 16, BF, monkeypatch)
+                if x.kernel == "nsa_bwd_dq_kernel"]
+        assert dq.meta["BLOCK_KC"] == 64 and dq.shared <= _triton.SHARED_LIMIT[86], mode
+    [dq] = [x for x in _compile_nsa(90, "bwd", 32, 256, 256, 128, 16, BF, monkeypatch) if x.kernel == "nsa_bwd_dq_kernel"]
+    assert dq.meta["BLOCK_KC"] == 128
     with pytest.raises(_triton.DoesNotFit) as e:
-        _compile_nsa(86, "bwd", 32, 256, 256, 128, 16, torch.bfloat16, monkeypatch)
+        _compile_nsa(86, "bwd", 32, 256, 256, 128, 16, torch.float32, monkeypatch)
     msg = str(e.value)
-    for part in ("nsa_bwd_dq_kernel", "G=32, selected_block_count=16, selected_block_size=128, Dqk=256, Dv=256",
+    for part in ("nsa_bwd_dkv_kernel", "G=32, selected_block_count=16, selected_block_size=128, Dqk=256, Dv=256",
                  "bytes of shared memory", "sm_86", f"has {_triton.SHARED_LIMIT[86]} bytes", "backend='torch'"):
         assert part in msg, (part, msg)
     need = int(msg.split(" needs ")[1].split(" bytes")[0])
@@ -225,11 +231,11 @@ def _grad_args(dtype, G, Dqk, Dv, bs, K=2):
 
 
 @pytest.mark.parametrize("dtype, G, Dqk, Dv, bs, dq_atomic, launched", [
-    # the dQ kernel, the backward's first launch, does not fit
-    (torch.bfloat16, 32, 256, 256, 128, False, []),
-    # fp32 with DQ_ATOMIC: the D kernel runs, then the dK/dV kernel does not fit
+    # the dQ kernel runs (in steps of fewer keys), then the dK/dV kernel does not fit
+    (torch.float32, 32, 256, 256, 128, False, ["nsa_bwd_dq_kernel"]),
+    # with DQ_ATOMIC: the D kernel runs, then the dK/dV kernel does not fit
     (torch.float32, 16, 192, 128, 64, True, ["nsa_bwd_delta_kernel"]),
-], ids=["bf16-dq-does-not-fit", "fp32-dkv-does-not-fit-after-a-launch"])
+], ids=["fp32-dkv-does-not-fit-after-dq", "fp32-dkv-does-not-fit-after-delta"])
 def test_auto_runs_torch_where_a_kernel_does_not_fit(monkeypatch, dtype, G, Dqk, Dv, bs, dq_atomic, launched):
     """``backend="auto"`` on a GPU that cannot hold a backward kernel: the torch path's exact result and a
     ``RuntimeWarning``; an explicit ``backend="triton"`` raises. (The device is an offline sm_86 and ``auto`` is

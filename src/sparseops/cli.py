@@ -827,7 +827,9 @@ def fit_lines(rows: list[dict]) -> list[str]:
             lines.append(f"  {r['variant']:<14} does not fit: {r['error']}")
         else:
             rows = f"rows={r['rows']}" if r.get("rows") else ""
-            lines.append(f"  {r['variant']:<14} {r['kernel']:<24} {rows:<7} warps={r['warps']:<2} stages={r['stages']} "
+            keys = f"keys={r['keys']}" if r.get("keys") else ""
+            lines.append(f"  {r['variant']:<14} {r['kernel']:<24} {rows:<7} {keys:<8} warps={r['warps']:<2} "
+                         f"stages={r['stages']} "
                          f"smem={r['shared'] / 1024:>6.1f} KiB  regs={r['registers']:<3} spill={r['spill_bytes']} B")
     return lines
 

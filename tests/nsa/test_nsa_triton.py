@@ -571,6 +571,56 @@ def test_wide_launch_that_does_not_fit_leaves_its_tokens_to_the_ordinary_one(mon
     assert all(not gate for _, pack, gate in calls if pack == 1)
 
 
+KEY_STEP_CASES = [
+    ("G16-bs48", dict(seqs_q=[6, 0, 5], seqs_kv=[70, 3, 60], N1=16, N2=1, bs=48, K=2, causal=False)),
+    ("G32-bs32-causal", dict(seqs_q=[4, 40], N1=32, N2=1, bs=32, K=2, duplicates=True)),
+    ("G2-bs48-dup", dict(seqs_q=[5, 20], N1=4, N2=2, bs=48, K=3, duplicates=True, empty_frac=0.2)),
+    ("G1-bs32-packed", dict(seqs_q=[1, 0, 21, 6], seqs_kv=[17, 5, 80, 0], N1=2, N2=2, bs=32, K=3, empty_frac=0.2)),
+]
+
+
+@pytest.mark.parametrize("wide", [64, 0], ids=["wide-on", "wide-off"])
+@pytest.mark.parametrize("kw", [c[1] for c in KEY_STEP_CASES], ids=[c[0] for c in KEY_STEP_CASES])
+def test_dq_in_key_steps_smaller_than_the_block(monkeypatch, kw, wide):
+    """DQ_KEY_ROWS = 16: the dQ kernel takes each (padded) block in steps of 16 keys (bs = 48: 4 steps, 32: 2) in
+    one-token, packed and wide programs, against the reference."""
+    monkeypatch.setattr(triton_impl, "DQ_KEY_ROWS", 16)
+    monkeypatch.setattr(triton_impl, "WIDE_ROWS", wide)
+    c = _case(**{"Dqk": 32, "Dv": 16, **kw})
+    _check(c, torch.float32, deterministic_too=False)
+
+
+def test_dq_launch_short_of_shared_memory_takes_fewer_keys_per_step(monkeypatch):
+    """A dQ launch that does not fit even unpipelined is retried with half the key rows per step, down to what
+    fits; the result is the reference's."""
+    from triton.runtime.errors import OutOfResources
+
+    from sparseops import _triton
+    from sparseops.nsa import triton_kernels as kern
+
+    monkeypatch.setattr(_triton, "_STAGES", {})
+    monkeypatch.setattr(_triton, "_NO_FIT", {})
+    calls = []
+    real = kern.nsa_bwd_dq_kernel
+
+    class FitsSixteenKeys:
+        __name__ = real.__name__
+
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                calls.append(kw["BLOCK_KC"])
+                if kw["BLOCK_KC"] > 16:
+                    raise OutOfResources(300_000, 101_376, "shared memory")
+                return real[grid](*args, **kw)
+            return run
+
+    monkeypatch.setattr(kern, "nsa_bwd_dq_kernel", FitsSixteenKeys())
+    monkeypatch.setattr(triton_impl, "WIDE_ROWS", 0)  # one launch, so the calls below are its tries
+    c = _case([5, 20], N1=4, N2=2, Dqk=32, Dv=16, bs=48, K=2, duplicates=True)
+    _check(c, torch.float32, deterministic_too=False)
+    assert calls == [64, 64, 32, 32, 16]  # two stages then one at 64 and 32 keys, 16 fits
+
+
 def test_every_output_element_is_written(monkeypatch):
     """Fresh buffers (outputs, stats, D, workspace) come back NaN-poisoned: a missed store shows up as an error."""
     real_empty, real_empty_like = torch.empty, torch.empty_like

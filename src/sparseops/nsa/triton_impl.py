@@ -15,7 +15,7 @@ Same internal signatures as ``reference.py`` (docs/internals.md). Arguments are 
   to wgmma / tcgen05 on sm_90 / sm_100 (mma.sync GPUs: forward only, ``WIDE_SHARE_MMA_SYNC``). Not yet run on
   a GPU.
 - ``backward``: dQ query-major with the forward's grids, packing and wide packs (no atomics; it also writes
-  ``D = rowsum(dY * O)``), then dK/dV
+  ``D = rowsum(dY * O)``; a block in steps of fewer keys where it does not fit whole), then dK/dV
   key-block-major over an inverse index (for each key block of each KV head, the stably sorted list of
   query tokens that selected it, built with torch ops on the device, no host sync). Each index list is
   cut into chunks of ``CHUNK`` entries (one program each, so that a block picked by every token does
@@ -70,6 +70,10 @@ WIDE_FP32 = False
 #: and 64 x (256 + 256) compile without spills on sm_90 (at most 200 KiB of shared memory), 128 x (256 + 128)
 #: spills ~400 bytes per thread in the dQ kernel (offline compile)
 WIDE_MAX_BLOCK_VALUES = 40960
+#: key rows per step of the dQ kernel: a wider (padded) block is taken in steps of this many; a dQ launch that
+#: does not fit the device's shared memory is retried with half as many, down to 16 (bs = 128 with Dqk = 256
+#: needs 64 on GPUs with 99 KiB per program: sm_86, sm_89, sm_120; offline compile, docs/nsa.md)
+DQ_KEY_ROWS = 128
 #: default (non-deterministic) backward: compute dQ inside the dK/dV kernel with fp32 atomics instead of the
 #: query-major dQ kernel (saves re-gathering every selected K/V block; costs a [T1, N1, Dqk] fp32 buffer).
 #: Off until measured on a GPU (``benchmarks/gpu_nsa.py --tune`` times both); the deterministic path never uses it.
@@ -190,7 +194,10 @@ def _q_tile(G: int, K: int, bs: int, heads: dict, dq: bool = False, P: int | Non
     P = pack_size(G) if P is None else P
     block_g = _next_pow2(G) if P > 1 else max(16, _next_pow2(G))
     wide = dq and P > 1 and _block_values(bs, heads) >= 32768
-    return {"BLOCK_G": block_g, "PACK": P, "BLOCK_K": _next_pow2(K)}, 4 if P * block_g <= 16 and not wide else 8
+    tile = {"BLOCK_G": block_g, "PACK": P, "BLOCK_K": _next_pow2(K)}
+    if dq:
+        tile["BLOCK_KC"] = min(_next_pow2(bs), DQ_KEY_ROWS)
+    return tile, 4 if P * block_g <= 16 and not wide else 8
 
 
 def build_pack_table(topk, cu_q, P: int) -> dict:
@@ -299,19 +306,25 @@ def pack_stats(q, topk, cu_q, bs: int, Dv: int) -> dict:
 
 
 def _launch_q(kernel, plan, dev, head, tail, **meta) -> None:
-    """Launch the ``_q_plan`` launches of ``kernel`` with arguments ``(*head, *pack table, run, *tail)``. A wide
-    launch that does not fit the device's shared memory leaves all its tokens to the ordinary launch."""
+    """Launch the ``_q_plan`` launches of ``kernel`` with arguments ``(*head, *pack table, run, *tail)``. A launch
+    that does not fit the device's shared memory takes a block in smaller steps where it can (dQ: ``BLOCK_KC``
+    halved, down to 16); a wide one that still does not fit leaves all its tokens to the ordinary launch."""
     wide_failed = False
     for i, (n, pk, run, tile, warps) in enumerate(plan):
         gate = run is not None and not wide_failed
-        try:
-            _triton.launch(kernel, (n, meta["N2"]), dev, (*head, *pk, run if gate else pk[0], *tail), num_warps=warps,
-                           GATE=gate, **tile, **meta)
-        except _triton.DoesNotFit:
-            if i + 1 < len(plan):
-                wide_failed = True
-                continue
-            raise
+        while True:
+            try:
+                _triton.launch(kernel, (n, meta["N2"]), dev, (*head, *pk, run if gate else pk[0], *tail),
+                               num_warps=warps, GATE=gate, **tile, **meta)
+            except _triton.DoesNotFit:
+                if tile.get("BLOCK_KC", 0) > 16:
+                    tile = {**tile, "BLOCK_KC": tile["BLOCK_KC"] // 2}
+                    continue
+                if i + 1 < len(plan):
+                    wide_failed = True
+                    break
+                raise
+            break
 
 
 def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
@@ -491,8 +504,9 @@ def compile_report(arch: int, *, G: int, N2: int = 1, Dqk: int, Dv: int, bs: int
     (atomic, deterministic, ``DQ_ATOMIC``) for ``sm_<arch>`` at this shape (``_triton.offline_compile``).
 
     The shape is checked like the op's arguments first (``ValueError`` / ``TypeError``). Returns one dict per
-    launch, ``{"variant", "kernel", "rows", "warps", "stages", "shared", "registers", "spill_bytes"}`` (``rows``:
-    tile rows of a forward / dQ / dK/dV step, so the wide and ordinary launches tell apart), or per variant
+    launch, ``{"variant", "kernel", "rows", "keys", "warps", "stages", "shared", "registers", "spill_bytes"}``
+    (``rows``, ``keys``: tile rows and key rows of a forward / dQ / dK/dV step; the rows tell the wide and ordinary
+    launches apart, the keys show a block taken in parts), or per variant
     that does not fit that GPU ``{"variant", "error"}`` (what ``backend="triton"`` would raise there).
     """
     global DQ_ATOMIC
@@ -527,6 +541,7 @@ def compile_report(arch: int, *, G: int, N2: int = 1, Dqk: int, Dv: int, bs: int
             DQ_ATOMIC = saved
         for x in launches:
             tile = x.meta.get("PACK", x.meta.get("BLOCK_E", 0)) * x.meta.get("BLOCK_G", 0)
-            rows.append({"variant": variant, "kernel": x.kernel, "rows": tile or None, "warps": x.num_warps,
-                         "stages": x.stages, "shared": x.shared, **x.resources()})
+            keys = x.meta.get("BLOCK_KC", x.meta.get("BLOCK_KR", x.meta.get("BLOCK_BS"))) if tile else None
+            rows.append({"variant": variant, "kernel": x.kernel, "rows": tile or None, "keys": keys,
+                         "warps": x.num_warps, "stages": x.stages, "shared": x.shared, **x.resources()})
     return rows

@@ -239,10 +239,12 @@ def nsa_bwd_dq_kernel(
     BLOCK_G: tl.constexpr, PACK: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, HAS_D2: tl.constexpr,
     BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, USE_WHILE: tl.constexpr,
-    GATE: tl.constexpr,
+    GATE: tl.constexpr, BLOCK_KC: tl.constexpr,
 ):
     """dQ, query-major with the forward's grid, token packing and gating, no atomics.
-    Also writes ``delta = rowsum(dO * O)`` (fp32) for the dK/dV kernel."""
+    Also writes ``delta = rowsum(dO * O)`` (fp32) for the dK/dV kernel. A step takes ``BLOCK_KC`` keys of a block
+    (the whole padded block, or a part of it where that does not fit the device's shared memory: with the softmax
+    stats given, each key's dQ term is independent of the others)."""
     i_p = tl.program_id(0).to(tl.int64)
     i_n2 = tl.program_id(1).to(tl.int64)
     if GATE:
@@ -251,7 +253,8 @@ def nsa_bwd_dq_kernel(
     t0, n_tok, s1, kv0, S2, o_h, m_x, o_xj = _pack_rows(i_p, i_n2, pk_t0, pk_n, tok_pos, tok_kv0, tok_s2, N1, G,
                                                         BLOCK_G, PACK)
     ROWS: tl.constexpr = PACK * BLOCK_G
-    o_r = tl.arange(0, BLOCK_BS)
+    NKC: tl.constexpr = BLOCK_BS // BLOCK_KC
+    o_r = tl.arange(0, BLOCK_KC)
     o_d1 = tl.arange(0, BLOCK_D1)
     o_dv = tl.arange(0, BLOCK_DV)
     m_d1 = o_d1 < Dqk
@@ -279,24 +282,26 @@ def nsa_bwd_dq_kernel(
 
     if PACK == 1:
         p_topk = topk + (t0 * N2 + i_n2) * K
-        for i_k in range(K):
-            idx = tl.load(p_topk + i_k).to(tl.int64)
-            o_p, o_row, m_k = _block_keys(idx, o_r, s1, kv0, S2, i_n2, N2, BS, CAUSAL)
+        for i_s in range(K * NKC):
+            idx = tl.load(p_topk + i_s // NKC).to(tl.int64)
+            o_p, o_row, m_k = _block_keys(idx, (i_s % NKC) * BLOCK_KC + o_r, s1, kv0, S2, i_n2, N2, BS, CAUSAL)
             b_dq1, b_dq2 = _dq_step(k, v, o_row, m_k, m_k[None, :], b_il, b_q1, b_q2, b_do, b_m, b_delta, b_dq1,
                                     b_dq2, o_d1, m_d1, o_d2, m_d2, o_dv, m_dv, scale, Dqk, Dv, HAS_D2, DOT, PREC)
     else:
         b_tk, o_xs1, s1_last, p_ids, n_u = _pack_setup(topk, pk_ids, pk_nu, t0, i_p, o_xj, m_x, s1, n_tok, i_n2,
                                                        N2, K, BLOCK_K, PACK)
         if USE_WHILE:
-            i_u = 0
-            while i_u < n_u:
-                o_row, m_k, m_s, b_w = _pack_block(p_ids, i_u, b_tk, o_xs1, s1_last, o_r, kv0, S2, i_n2, N2, BS, CAUSAL)
+            i_s = 0
+            while i_s < n_u * NKC:
+                o_row, m_k, m_s, b_w = _pack_block(p_ids, i_s // NKC, b_tk, o_xs1, s1_last,
+                                                   (i_s % NKC) * BLOCK_KC + o_r, kv0, S2, i_n2, N2, BS, CAUSAL)
                 b_dq1, b_dq2 = _dq_step(k, v, o_row, m_k, m_s, b_il * b_w, b_q1, b_q2, b_do, b_m, b_delta, b_dq1,
                                         b_dq2, o_d1, m_d1, o_d2, m_d2, o_dv, m_dv, scale, Dqk, Dv, HAS_D2, DOT, PREC)
-                i_u += 1
+                i_s += 1
         else:
-            for i_u in range(0, n_u):
-                o_row, m_k, m_s, b_w = _pack_block(p_ids, i_u, b_tk, o_xs1, s1_last, o_r, kv0, S2, i_n2, N2, BS, CAUSAL)
+            for i_s in range(0, n_u * NKC):
+                o_row, m_k, m_s, b_w = _pack_block(p_ids, i_s // NKC, b_tk, o_xs1, s1_last,
+                                                   (i_s % NKC) * BLOCK_KC + o_r, kv0, S2, i_n2, N2, BS, CAUSAL)
                 b_dq1, b_dq2 = _dq_step(k, v, o_row, m_k, m_s, b_il * b_w, b_q1, b_q2, b_do, b_m, b_delta, b_dq1,
                                         b_dq2, o_d1, m_d1, o_d2, m_d2, o_dv, m_dv, scale, Dqk, Dv, HAS_D2, DOT, PREC)
 
