@@ -329,8 +329,9 @@ def compile_check(Gs=(1, 4, 16, 32), cfg=None, arch=90):
     rows = []
     for G in Gs:
         tile = triton_impl._q_tile(G, shape["K"], shape["bs"], triton_impl._head_blocks(shape["Dqk"], shape["Dv"]))[0]
-        print(f"G={G}: forward / dQ tiles of {tile['PACK']} token(s) x {tile['BLOCK_G']} head rows, and where wide "
-              f"packs are on (sm_90, sm_100) {triton_impl.wide_pack_size(G)} tokens x {triton_impl._next_pow2(G)}")
+        print(f"G={G}: forward / dQ tiles of {tile['PACK']} token(s) x {tile['BLOCK_G']} head rows, and wide packs of "
+              f"{triton_impl.wide_pack_size(G)} tokens x {triton_impl._next_pow2(G)} (forward and dQ on sm_90 / "
+              "sm_100, the forward alone on mma.sync GPUs; rows= below)")
         got = triton_impl.compile_report(arch, G=G, **shape)
         for line in fit_lines(got):
             print(line, flush=True)
