@@ -173,10 +173,11 @@ def _sum_over_k(src, rows, valid, weights, out):
     acc_dtype = _acc_dtype(src, weights)
     direct = out.dtype == acc_dtype  # accumulate straight into the output
     if weights is not None:
-        weights = weights.to(acc_dtype)
         valid = valid & (weights != 0)
+        # a dead slot's prob (another rank's row) may be inf / NaN: zero it, never multiply it
+        weights = torch.where(valid, weights.to(acc_dtype), 0.0)
     if K <= _COMPILED_MAX_K and _fusable(src, acc_dtype, (T, H, src.shape[0]), T * H):
-        w = valid.to(acc_dtype) if weights is None else torch.where(valid, weights, 0.0)
+        w = valid.to(acc_dtype) if weights is None else weights
         if _sum_over_k_fused(src, rows, w, out):
             return out
     step = _chunk_rows(H, 4 if acc_dtype == torch.float32 else 8)
