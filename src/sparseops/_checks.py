@@ -35,6 +35,8 @@ def check_tensor(
     """Type, rank and dtype of one tensor argument."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name}: expected a dense (torch.strided) tensor, got layout {t.layout}")
     if ndim is not None:
         allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
         if t.dim() not in allowed:
@@ -78,7 +80,10 @@ def check_int(
 def check_float(name: str, v) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise TypeError(f"{name}: expected a float, got {type(v).__name__} ({v!r})")
-    v = float(v)
+    try:
+        v = float(v)
+    except OverflowError:
+        raise ValueError(f"{name}: expected a finite float, got an int of {v.bit_length()} bits") from None
     if v != v or v in (float("inf"), float("-inf")):
         raise ValueError(f"{name}: expected a finite float, got {v}")
     return v

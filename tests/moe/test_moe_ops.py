@@ -228,6 +228,29 @@ def test_zero_prob_rows_never_leak_inf_or_nan():
                  moe_token_unpermute_with_ep(pt, si, probs, backend="reference"))
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_non_finite_prob_of_a_slot_outside_the_window_is_never_read(bad):
+    # token 3's slots (rows 6, 7) lie outside the window [0, 6): their probs belong to another rank and may hold
+    # anything. 6 of 8 slots live and a tiny shape: the dense k loop (not the sparse or the fused one)
+    si = torch.arange(8, dtype=torch.int32)
+    pt = torch.ones(6, 3)
+    probs = torch.full((4, 2), 0.5)
+    probs[3, 1] = bad
+    for backend in ("torch", "reference"):
+        out = moe_token_unpermute_with_ep(pt, si, probs, range=[0, 6], backend=backend)
+        assert torch.equal(out, torch.tensor([[1.0] * 3] * 3 + [[0.0] * 3])), backend
+
+
+def test_meta_tensors_skip_the_data_checks():
+    # shape inference on meta tensors: the checks that read index data cannot run (there is none)
+    m = {"device": "meta"}
+    pt, si, pp = moe_token_permute_with_ep(torch.empty(3, 4, **m), torch.empty(3, 2, dtype=torch.int32, **m),
+                                           torch.empty(3, 2, **m), backend="torch")
+    assert (pt.shape, si.shape, pp.shape) == ((6, 4), (6,), (6,))
+    out = moe_token_unpermute_with_ep(pt, si, torch.empty(3, 2, **m), backend="torch")
+    assert out.shape == (3, 4) and out.device.type == "meta"
+
+
 def test_tokens_without_valid_slot_get_zeros_not_nan():
     d = _inputs(7, 2, 5, dtype=torch.float32)
     pt, si, _ = moe_token_permute_with_ep(d["tokens"], d["indices"], d["probs"], [4, 4], backend="torch")

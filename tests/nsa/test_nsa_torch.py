@@ -181,6 +181,20 @@ def test_deterministic_none_follows_the_switches(monkeypatch):
     assert seen == [False, True, False]
 
 
+def test_meta_tensors_give_shapes():
+    # shape inference: the block-id check reads data, which meta tensors do not have, so it is skipped
+    m = {"device": "meta"}
+    q, k, v = torch.empty(32, 4, 16, **m), torch.empty(40, 2, 16, **m), torch.empty(40, 2, 8, **m)
+    topk = torch.empty(32, 2, 2, dtype=torch.int32, **m)
+    out, sm, ss = sparseops.nsa_selected_attention(q, k, v, topk, 0.25, 4, 16, 2, actual_seq_qlen=[32],
+                                                   actual_seq_kvlen=[40], backend="torch")
+    assert (out.shape, sm.shape, out.device.type) == ((32, 4, 8), (32, 4, 8), "meta")
+    dq, dk, dv = sparseops.nsa_selected_attention_grad(q, k, v, out, out, sm, ss, topk, scale_value=0.25,
+                                                       selected_block_size=16, selected_block_count=2, head_num=4,
+                                                       backend="torch")
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
 def test_int64_topk_and_tensor_cu_seqlens():
     a = _inputs(CASES[0], torch.float32)
     q, k, v, kw = _split(a)
