@@ -410,6 +410,19 @@ def test_executor_runs_once_and_rejects_foreign_objects():
     assert "already run" in aclGetRecentErrMsg()
 
 
+def test_out_changed_between_the_phases_writes_nothing():
+    # an out tensor resized after phase 1: phase 2 refuses before computing, so no out is half-written
+    d = nsa(torch.float16)
+    args = nsa_fwd_args(d, mask=None)
+    status, ws, ex = phase1("NsaSelectedAttention", *args)
+    assert status == ACLNN_SUCCESS
+    snap = [t.clone() for t in args[13:16]]
+    args[14].resize_(3)  # softmaxSumOut
+    assert aclnn.aclnnNsaSelectedAttention(torch.empty(ws, dtype=torch.uint8), ws, ex, None) == ACLNN_ERR_INNER_TILING_ERROR
+    assert "softmaxSumOut" in aclGetRecentErrMsg() and "phase 1" in aclGetRecentErrMsg()
+    assert same_bits(args[13], snap[0]) and same_bits(args[15], snap[2])
+
+
 def test_workspace_too_small():
     d = moe()
     args = unpermute_grad_args(d)

@@ -216,14 +216,25 @@ def _phase2(api: str, workspace, workspace_size, executor, stream) -> int:
 
 
 class _Runner:
-    """Phase 2's work: call the op, copy its results into the out tensors."""
+    """Phase 2's work: call the op, copy its results into the out tensors. The out tensors' shape, dtype and
+    device are checked again first (phase 1 checked them; a tensor resized between the phases would otherwise
+    fail half-way through the copies, after some outs were written)."""
 
-    __slots__ = ("call", "store", "names")
+    __slots__ = ("call", "store", "names", "outs")
 
-    def __init__(self, call, store, names):
+    def __init__(self, call, store, names, outs):
         self.call, self.store, self.names = call, store, names
+        self.outs = {name: (t, tuple(t.shape), t.dtype, t.device) for name, t in outs.items()}
 
     def __call__(self):
+        for name, (t, shape, dtype, device) in self.outs.items():
+            now = (tuple(t.shape), t.dtype, t.device)
+            if now != (shape, dtype, device):
+                raise _Fail(
+                    ACLNN_ERR_INNER_TILING_ERROR,
+                    f"{name}: changed since phase 1: expected shape {_shape(shape)} {_dtype_name(dtype)} on {device}, "
+                    f"got {_shape(now[0])} {_dtype_name(now[1])} on {now[2]}",
+                )
         self.store(self.call())
 
 
@@ -426,7 +437,7 @@ def aclnnMoeTokenPermuteWithEpGetWorkspaceSize(  # noqa: N802
             if probsOptional is not None:
                 permuteProbsOut.copy_(pp)
 
-        return _Runner(call, store, _PERMUTE_NAMES), ws, device
+        return _Runner(call, store, _PERMUTE_NAMES, outs), ws, device
 
     return _phase1(api, build)
 
@@ -486,7 +497,7 @@ def aclnnMoeTokenUnpermuteWithEpGetWorkspaceSize(  # noqa: N802
             return moe.moe_token_unpermute_with_ep(pt, sortedIndices, probsOptional, topk, rng, False, restore,
                                                    backend="auto", validate=False)
 
-        return _Runner(call, out.copy_, _UNPERMUTE_NAMES), _nbytes((T, H), pt.dtype), device
+        return _Runner(call, out.copy_, _UNPERMUTE_NAMES, {"out": out}), _nbytes((T, H), pt.dtype), device
 
     return _phase1(api, build)
 
@@ -565,7 +576,7 @@ def aclnnMoeTokenUnpermuteWithEpGradGetWorkspaceSize(  # noqa: N802
             if probsOptional is not None:
                 probsGradOut.copy_(pg)
 
-        return _Runner(call, store, _UNPERMUTE_GRAD_NAMES), ws, device
+        return _Runner(call, store, _UNPERMUTE_GRAD_NAMES, outs), ws, device
 
     return _phase1(api, build)
 
@@ -642,7 +653,7 @@ def aclnnMoeTokenPermuteWithEpGradGetWorkspaceSize(  # noqa: N802
             if ppg is not None:
                 probsGradOut.copy_(pg)
 
-        return _Runner(call, store, _PERMUTE_GRAD_NAMES), ws, device
+        return _Runner(call, store, _PERMUTE_GRAD_NAMES, outs), ws, device
 
     return _phase1(api, build)
 
@@ -733,7 +744,7 @@ def aclnnNsaSelectedAttentionGetWorkspaceSize(  # noqa: N802
             softmaxMaxOut.copy_(m)
             softmaxSumOut.copy_(l)
 
-        return _Runner(call, store, _NSA_NAMES), ws, device
+        return _Runner(call, store, _NSA_NAMES, outs), ws, device
 
     return _phase1(api, build)
 
@@ -800,7 +811,7 @@ def aclnnNsaSelectedAttentionGradGetWorkspaceSize(  # noqa: N802
             dkOut.copy_(dk)
             dvOut.copy_(dv)
 
-        return _Runner(call, store, _NSA_NAMES), ws, device
+        return _Runner(call, store, _NSA_NAMES, outs), ws, device
 
     return _phase1(api, build)
 
