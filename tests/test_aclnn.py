@@ -4,6 +4,8 @@ run once, nothing is written when a call fails."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -343,6 +345,7 @@ BAD_CALLS = [
     ("nsa-null-query", _nsa_bad(_set(0, None)), ACLNN_ERR_PARAM_NULLPTR, ["query"]),
     ("nsa-null-out", _nsa_bad(_set(15, None)), ACLNN_ERR_PARAM_NULLPTR, ["attentionOut"]),
     ("nsa-float64-key", _nsa_bad(_set(1, lambda d, a: a[1].double())), ACLNN_ERR_PARAM_INVALID, ["key", "float64"]),
+    ("nsa-key-dtype-differs", _nsa_bad(_set(1, lambda d, a: a[1].half())), ACLNN_ERR_PARAM_INVALID, ["key", "float16"]),
     ("nsa-int64-topk", _nsa_bad(_set(3, lambda d, a: a[3].long())), ACLNN_ERR_PARAM_INVALID, ["topkIndices", "int64"]),
     ("nsa-bad-layout", _nsa_bad(_set(9, "BSND")), ACLNN_ERR_PARAM_INVALID, ["inputLayout", "BSND"]),
     ("nsa-block-id-out-of-range", _nsa_bad(_set(3, lambda d, a: a[3].clone().fill_(5))), ACLNN_ERR_INNER_TILING_ERROR, ["topkIndices"]),
@@ -370,6 +373,7 @@ def test_bad_call_status_message_and_no_write(make, status, words):
     assert msg is not None and f"aclnn{name}" in msg
     for w in words:
         assert w in msg, msg
+    assert not re.search(r"\b(\w+): \1:", msg), msg  # the argument is named once ("key: key: ..." was not)
     for i, t in before.items():
         assert same_bits(args[i], t), f"out argument {i} was written by a failed call"
 

@@ -64,7 +64,7 @@ def check_int(
     multiple_of: int | None = None,
 ) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
-        if isinstance(v, torch.Tensor) and v.dim() == 0 and not v.dtype.is_floating_point:
+        if isinstance(v, torch.Tensor) and v.dim() == 0 and not (v.dtype.is_floating_point or v.dtype == torch.bool):
             v = int(v)
         else:
             raise TypeError(f"{name}: expected an int, got {type(v).__name__} ({v!r})")

@@ -133,7 +133,7 @@ def _python_error(exc: BaseException, names: dict[str, str]) -> tuple[int, str]:
     msg = str(exc)
     head = re.match(r"\s*([A-Za-z_][A-Za-z0-9_]*)", msg)
     cann = names.get(head.group(1)) if head else None
-    text = f"{cann}: {msg}" if cann else msg
+    text = f"{cann}: {msg}" if cann and cann != head.group(1) else msg  # no "key: key: ..."
     status = ACLNN_ERR_PARAM_INVALID if isinstance(exc, TypeError) else ACLNN_ERR_INNER_TILING_ERROR
     return status, text
 

@@ -62,6 +62,7 @@ CASES = [
     ("bs<16", _set(selected_block_size=0), ValueError, "selected_block_size", True),
     ("bs>128", _set(selected_block_size=144), ValueError, "selected_block_size", True),
     ("bs-float", _set(selected_block_size=16.0), TypeError, "selected_block_size", True),
+    ("K-bool-tensor", _set(selected_block_count=torch.tensor(True)), TypeError, "selected_block_count", True),
     ("scale-str", _set(scale_value="0.1"), TypeError, "scale_value", True),
     ("scale-nan", _set(scale_value=float("nan")), ValueError, "scale_value", True),
     ("scale-int-overflows-float", _set(scale_value=10**400), ValueError, "scale_value", True),
