@@ -69,6 +69,23 @@ def test_torch_compile_fullgraph_matches_eager():
         assert_close(b, a, torch.float32, name=name)
 
 
+def test_torch_compile_tensor_range_is_a_clear_error():
+    # a range tensor's values decide the number of output rows: a traced graph cannot read them. Ours says so
+    # (carried in dynamo's error) instead of dynamo's data-dependent guard failure; eager takes a tensor range
+    import torch._dynamo
+
+    d = make_moe_inputs(4, 2, 3, dtype=torch.float32)
+
+    def f(t, idx, r):
+        return moe_token_permute_with_ep(t, idx, None, r)[0]
+
+    r = torch.tensor([1, 6])
+    assert torch.equal(f(d["tokens"], d["indices"], r), f(d["tokens"], d["indices"], [1, 6]))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="range: expected two Python ints under torch.compile"):
+        torch.compile(f, fullgraph=True, backend="eager")(d["tokens"], d["indices"], r)
+
+
 @pytest.mark.parametrize("name", ["moe_permute", "moe_unpermute", "moe_unpermute_grad", "moe_permute_grad"])
 def test_custom_op_opcheck(name):
     """Schema, fake kernel, autograd registration and AOT dispatch with dynamic shapes."""

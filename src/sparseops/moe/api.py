@@ -12,7 +12,8 @@ Choices where the spec is silent (see docs/moe.md "Choices"):
 - float64 tokens / probs are accepted (for ``torch.autograd.gradcheck``); math is then float64.
 - ``probs`` and ``topk_num`` both given: ``K = probs.shape[1]`` and ``topk_num`` is only type-checked.
 - ``indices`` of shape ``[T]`` means K = 1; ``probs`` may then be ``[T]`` or ``[T, 1]``.
-- ``range`` is a list / tuple of two ints, or a 1-D integer tensor with two elements.
+- ``range`` is a list / tuple of two ints, or a 1-D integer tensor with two elements (not under
+  ``torch.compile``: its values decide the output's row count; a clear ``TypeError`` says so).
 - Data-dependent checks (index values, duplicates) run when ``validate=True`` and the call is not being
   traced by ``torch.compile``; shape / dtype checks always run.
 """
@@ -60,6 +61,11 @@ def normalize_range(range, N: int, natural_end: int) -> tuple[int, int]:
             raise TypeError(
                 f"range: expected two ints (a list, tuple or 1-D integer tensor), got a {range.dim()}-D "
                 f"{str(range.dtype).replace('torch.', '')} tensor"
+            )
+        if torch.compiler.is_compiling():
+            raise TypeError(
+                "range: expected two Python ints under torch.compile, got a tensor (its values decide the number "
+                "of output rows, which a traced graph cannot read); pass range.tolist()"
             )
         range = range.tolist()
     if not isinstance(range, (list, tuple)):
