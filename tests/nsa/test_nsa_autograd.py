@@ -61,3 +61,46 @@ def test_compile_fullgraph_matches_eager(compile_backend):
         res.append((out.detach(), m, l, qq.grad, kk.grad, vv.grad))
     for name, x, y in zip(("out", "softmax_max", "softmax_sum", "dq", "dk", "dv"), *res):
         assert_close(x, y, name=name)
+
+
+def test_compiled_backward_follows_set_deterministic_at_run_time(monkeypatch):
+    # the switch is read when the backward op runs, not baked into the graph when it was traced
+    from sparseops.nsa import torch_impl
+
+    seen = []
+    real = torch_impl.backward
+
+    def spy(*args, deterministic, **kw):
+        seen.append(deterministic)
+        return real(*args, deterministic=deterministic, **kw)
+
+    monkeypatch.setattr(torch_impl, "backward", spy)
+    a = make_nsa_inputs([20, 13], N1=4, N2=2, Dqk=16, Dv=8, bs=16, K=2, dtype=torch.float32)
+    q, k, v = (a.pop(n) for n in ("query", "key", "value"))
+    torch._dynamo.reset()
+    cf = torch.compile(lambda q, k, v: sparseops.nsa_selected_attention(q, k, v, **a)[0], fullgraph=True,
+                       backend="aot_eager")
+    before = sparseops.is_deterministic()
+    try:
+        for flag in (False, True, False):
+            sparseops.set_deterministic(flag)
+            cf(*(t.clone().requires_grad_() for t in (q, k, v))).sum().backward()
+    finally:
+        sparseops.set_deterministic(before)
+    assert seen == [False, True, False]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_under_cpu_autocast(dtype):
+    # autocast must not re-type the matmuls inside the op (bmm(..., out=fp32) failed); same numbers as without
+    a = make_nsa_inputs([20, 13], N1=4, N2=2, Dqk=16, Dv=8, bs=16, K=2, dtype=dtype)
+    q, k, v = (a.pop(n) for n in ("query", "key", "value"))
+    res = []
+    for enabled in (False, True):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            out, m, l = sparseops.nsa_selected_attention(qq, kk, vv, backend="torch", **a)
+            out.float().sum().backward()
+        res.append((out, m, qq.grad, kk.grad, vv.grad))
+    for name, x, y in zip(("out", "softmax_max", "dq", "dk", "dv"), *res):
+        assert torch.equal(x, y), name

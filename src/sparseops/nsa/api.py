@@ -8,6 +8,7 @@ so ``torch.compile(fullgraph=True)`` traces a call without a graph break. Cumula
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import warnings
@@ -81,6 +82,19 @@ def _shape_key(fn: str, args, kwargs) -> tuple:
 def _run(backend: str, fn: str, *args, **kwargs):
     """``<backend module>.<fn>(*args, **kwargs)``; under ``auto``, the torch path where a kernel does not fit
     (remembered per shape, so that later calls do not launch the kernels that did fit again for nothing)."""
+    with _autocast_off(args[0].device.type):
+        return _run_backend(backend, fn, *args, **kwargs)
+
+
+def _autocast_off(device_type: str):
+    """The ops compute in their inputs' dtypes with fp32 accumulation: an enclosing ``torch.autocast`` must not
+    re-type the matmuls inside them (on the CPU it made ``bmm(..., out=fp32)`` fail)."""
+    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _run_backend(backend: str, fn: str, *args, **kwargs):
     if backend != AUTO_TRITON:
         return getattr(_backend_module(backend), fn)(*args, **kwargs)
     key = _shape_key(fn, args, kwargs)
@@ -260,9 +274,12 @@ def _bwd_op(
     cu_q: list[int],
     cu_kv: list[int],
     causal: bool,
-    deterministic: bool,
+    deterministic: bool | None,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # None is resolved here, when the op runs, not when a graph is traced: a compiled backward follows
+    # set_deterministic() calls made after it was compiled
+    deterministic = resolve_deterministic(deterministic)
     return _run(
         backend, "backward", query, key, value, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal,
         deterministic=deterministic,
@@ -288,8 +305,7 @@ def _backward(ctx, dout, dm, dl):
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = _bwd_op(
-        query, key, value, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal,
-        resolve_deterministic(None), backend,
+        query, key, value, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, None, backend,
     )
     return dq, dk, dv, None, None, None, None, None, None, None
 
@@ -412,9 +428,9 @@ def nsa_selected_attention_grad(
         atten_mask, actual_seq_qlen, actual_seq_kvlen, sparse_mode, input_layout, validate,
         attention_out, attention_out_grad, softmax_max, softmax_sum, grad=True,
     )
-    det = resolve_deterministic(deterministic)
+    resolve_deterministic(deterministic)  # its type, now; None is resolved when the op runs
     name = _resolve_backend(backend, device, query.dtype)
     return _bwd_op(
         query, key, value, attention_out, attention_out_grad, softmax_max[..., 0].contiguous(),
-        softmax_sum[..., 0].contiguous(), topk_indices, scale, bs, cu_q, cu_kv, causal, det, name,
+        softmax_sum[..., 0].contiguous(), topk_indices, scale, bs, cu_q, cu_kv, causal, deterministic, name,
     )
