@@ -132,9 +132,9 @@ def test_gpu_nsa_compile_check_reports_every_variant():
     """``gpu_nsa.py --compile-check`` (no GPU): each variant's launches with shared memory, registers and spills;
     a variant that does not fit the target GPU is reported, not raised."""
     pytest.importorskip("triton")
-    import os
+    from sparseops import _checks
 
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if _checks.triton_interpret():
         pytest.skip("needs compiled Triton")
     from benchmarks import gpu_nsa
 

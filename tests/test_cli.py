@@ -297,7 +297,7 @@ def test_bench_moe_smoke(tmp_path, capsys):
 
 def _compiled_triton():
     pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if cli._checks.triton_interpret():
         pytest.skip("sparseops fit needs compiled Triton")
 
 
@@ -336,6 +336,8 @@ def test_fit_shape_that_does_not_fit_returns_1(capsys):
     (["--block-size", "63"], "selected_block_size: expected a multiple of 16, got 63"),
     (["--dv", "256"], "value"),  # Dv > Dqk
     (["--dtype", "fp32", "--block-count", "0"], "selected_block_count"),
+    (["--dqk", "-5"], "Dqk: expected >= 1, got -5"),  # was a traceback from torch.zeros, exit 1
+    (["-G", "-1"], "G: expected >= 1, got -1"),
 ])
 def test_fit_bad_shape_is_a_usage_error(args, message, capsys):
     _compiled_triton()

@@ -113,8 +113,14 @@ def triton_available() -> bool:
     return True
 
 
+#: the values Triton (3.6, ``getenv_bool``) reads as on; anything else, "false" and "0" included, is off
+_TRUE = ("1", "true", "yes", "on", "y")
+
+
 def triton_interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """``TRITON_INTERPRET`` read with Triton's own rule, so that we and Triton agree on whether kernels run in
+    the interpreter (the one place it is read)."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
 
 
 def resolve_backend(backend, device: torch.device) -> str:

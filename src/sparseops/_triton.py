@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
+
+from . import _checks
 
 _STAGES: dict = {}
 #: launches that do not fit even unpipelined, by the same key: their error, raised again without a retry
@@ -110,7 +111,7 @@ def offline_compile(arch: int = 90):
     global _OFFLINE
     if arch not in SHARED_LIMIT:
         raise ValueError(f"arch: expected one of {sorted(SHARED_LIMIT)}, got {arch!r}")
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if _checks.triton_interpret():
         raise RuntimeError("offline_compile needs compiled Triton: unset TRITON_INTERPRET")
     from triton.runtime import driver
 

@@ -30,11 +30,9 @@ float64 inputs are rejected (``TypeError``): the API routes them to the torch ba
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from .. import _triton
+from .. import _checks, _triton
 from .._varlen import seq_lengths, token_seq_positions
 
 #: entries (query tokens) per dK/dV program; also sizes the deterministic workspace
@@ -87,7 +85,7 @@ _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _checks.triton_interpret()
 
 
 def _next_pow2(n: int) -> int:
@@ -513,6 +511,9 @@ def compile_report(arch: int, *, G: int, N2: int = 1, Dqk: int, Dv: int, bs: int
     from . import api
 
     _check_dtype(torch.empty(0, dtype=dtype))
+    for name, n in (("G", G), ("N2", N2), ("Dqk", Dqk), ("Dv", Dv), ("selected_block_size", bs),
+                    ("selected_block_count", K)):
+        _checks.check_int(name, n, lo=1)  # before sizing the example tensors with them
     seqs = [3 * max(bs, 16) // 2, 5]  # a partial last key block, a second sequence
     T = sum(seqs)
     q = torch.zeros(T, N2 * G, Dqk, dtype=dtype)
