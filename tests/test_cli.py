@@ -282,6 +282,17 @@ def test_bench_runs_a_benchmark_script(tmp_path, monkeypatch, capsys, fail):
     assert str(out / "moe.json") in text and str(out / "moe.png") in text
 
 
+def test_bench_smoke_without_out_leaves_the_recorded_results_alone(tmp_path, monkeypatch, capsys):
+    bench = tmp_path / "benchmarks"
+    bench.mkdir()
+    (bench / "moe.py").write_text(FAKE_BENCH.format(fail=False))
+    monkeypatch.setenv("SPARSEOPS_BENCHMARKS", str(bench))
+    assert cli.main(["bench", "--op", "moe", "--smoke"]) == 0
+    text = capsys.readouterr().out
+    assert not (bench / "results").exists(), "a smoke run wrote into the recorded results"
+    assert "sparseops-bench-smoke-moe-" in text and "moe.json" in text
+
+
 @pytest.mark.skipif(
     not (REPO / "benchmarks" / "moe.py").is_file(),
     reason="benchmarks/moe.py not in this checkout yet (branch `bench` not merged)",

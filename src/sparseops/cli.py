@@ -15,6 +15,7 @@ import math
 import os
 import platform
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -795,7 +796,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     mods = [(n, load_benchmark(n)) for n in names]  # fail before running anything
     status = 0
     for name, mod in mods:
-        out = Path(args.out) if args.out else Path(mod.__file__).resolve().parent / "results"
+        if args.out:
+            out = Path(args.out)
+        elif args.smoke:  # a plumbing check: its rows must not join the recorded results
+            out = Path(tempfile.mkdtemp(prefix=f"sparseops-bench-smoke-{name}-"))
+        else:
+            out = Path(mod.__file__).resolve().parent / "results"
         t0 = time.perf_counter()
         started = time.time()
         try:
@@ -918,7 +924,7 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--op", choices=("moe", "nsa", "all"), default="all", help="which benchmark (default all)")
     pb.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
     pb.add_argument("--smoke", action="store_true", help="the smallest run that exercises every code path (for CI)")
-    pb.add_argument("--out", metavar="DIR", default=None, help="directory for the JSON/PNG results")
+    pb.add_argument("--out", metavar="DIR", default=None, help="directory for the JSON/PNG results (default: benchmarks/results/, the recorded runs; with --smoke a new temporary directory)")
     pb.set_defaults(func=cmd_bench)
 
     pf = sub.add_parser(

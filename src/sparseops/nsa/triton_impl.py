@@ -44,7 +44,8 @@ DKV_ROWS = 32
 #: docs/nsa.md)
 DKV_ROWS_MMA_SYNC = 16
 #: key rows per dK/dV program: a wider (padded) block is split over programs (bs = 128: two of 64 rows), so
-#: its K/V rows and fp32 accumulators fit in shared memory and registers (offline compile, docs/nsa.md)
+#: its K/V rows and fp32 accumulators fit in shared memory and registers (offline compile, docs/nsa.md); a power of
+#: two (other values are rounded down)
 DKV_KEY_ROWS = 64
 #: tile rows the forward / dQ kernels fill by packing consecutive tokens when G < 16 (mma.sync needs M >= 16)
 PACK_ROWS = 16
@@ -70,7 +71,8 @@ WIDE_FP32 = False
 WIDE_MAX_BLOCK_VALUES = 40960
 #: key rows per step of the dQ kernel: a wider (padded) block is taken in steps of this many; a dQ launch that
 #: does not fit the device's shared memory is retried with half as many, down to 16 (bs = 128 with Dqk = 256
-#: needs 64 on GPUs with 99 KiB per program: sm_86, sm_89, sm_120; offline compile, docs/nsa.md)
+#: needs 64 on GPUs with 99 KiB per program: sm_86, sm_89, sm_120; offline compile, docs/nsa.md); a power of two
+#: (other values are rounded down)
 DQ_KEY_ROWS = 128
 #: default (non-deterministic) backward: compute dQ inside the dK/dV kernel with fp32 atomics instead of the
 #: query-major dQ kernel (saves re-gathering every selected K/V block; costs a [T1, N1, Dqk] fp32 buffer).
@@ -90,6 +92,12 @@ def _interpreting() -> bool:
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _key_rows(knob: int) -> int:
+    """A key-rows knob as the kernels can take it: a power of two (rounded down), at least 16. A step count
+    of ``padded block // rows`` must cover the block exactly: 48 would have skipped rows."""
+    return max(16, 1 << (max(1, int(knob)).bit_length() - 1))
 
 
 def _prev_pow2(n: int) -> int:
@@ -123,7 +131,7 @@ def _block_values(bs: int, heads: dict) -> int:
 
 def _dkv_key_rows(bs: int) -> int:
     """Key rows per dK/dV program: the padded block, at most ``DKV_KEY_ROWS``."""
-    return min(_next_pow2(bs), DKV_KEY_ROWS)
+    return min(_next_pow2(bs), _key_rows(DKV_KEY_ROWS))
 
 
 def _dkv_warps(bs: int, heads: dict) -> int:
@@ -194,7 +202,7 @@ def _q_tile(G: int, K: int, bs: int, heads: dict, dq: bool = False, P: int | Non
     wide = dq and P > 1 and _block_values(bs, heads) >= 32768
     tile = {"BLOCK_G": block_g, "PACK": P, "BLOCK_K": _next_pow2(K)}
     if dq:
-        tile["BLOCK_KC"] = min(_next_pow2(bs), DQ_KEY_ROWS)
+        tile["BLOCK_KC"] = min(_next_pow2(bs), _key_rows(DQ_KEY_ROWS))
     return tile, 4 if P * block_g <= 16 and not wide else 8
 
 
