@@ -108,3 +108,36 @@ def _opcheck_args(name):
     if name == "moe_unpermute_grad":
         return (torch.randn(5, 3), si, torch.randn(8, 3), d["probs"], 2, 1, 9, "torch")
     return (torch.randn(8, 3), si, torch.randn(8), 2, 1, 9, "torch")
+
+
+def test_double_backward_is_a_clear_error():
+    d = make_moe_inputs(5, 2, 3, dtype=F64)
+    t, p = d["tokens"].requires_grad_(), d["probs"].requires_grad_()
+    pt, si, _ = moe_token_permute_with_ep(t, d["indices"], p)
+    out = moe_token_unpermute_with_ep(pt * 2.0, si, p)
+    (gt,) = torch.autograd.grad(out.pow(2).sum(), (t,), create_graph=True)
+    with pytest.raises(RuntimeError, match="moe_token_(un)?permute_with_ep_grad is not differentiable"):
+        gt.pow(2).sum().backward()
+
+
+def test_compiled_function_calling_a_grad_op_on_inputs_that_require_grad():
+    import torch._dynamo
+
+    from sparseops import moe_token_permute_with_ep_grad
+
+    d = make_moe_inputs(5, 2, 3, dtype=torch.float32)
+
+    def f(tok):
+        out, si, _ = moe_token_permute_with_ep(tok, d["indices"])
+        tg, _ = moe_token_permute_with_ep_grad(out, si, topk_num=2)
+        return out, tg
+
+    torch._dynamo.reset()
+    res = []
+    for fn in (f, torch.compile(f, fullgraph=True, backend="aot_eager")):
+        t = d["tokens"].clone().requires_grad_()
+        out, tg = fn(t)
+        out.sum().backward()
+        res.append((out.detach(), tg.detach(), t.grad))
+    for name, x, y in zip(("out", "tg", "tokens.grad"), *res):
+        assert_close(y, x, torch.float32, name=name)

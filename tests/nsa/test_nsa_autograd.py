@@ -104,3 +104,40 @@ def test_under_cpu_autocast(dtype):
         res.append((out, m, qq.grad, kk.grad, vv.grad))
     for name, x, y in zip(("out", "softmax_max", "dq", "dk", "dv"), *res):
         assert torch.equal(x, y), name
+
+
+def test_double_backward_is_a_clear_error_and_zero_cotangents_pass():
+    a = make_nsa_inputs([20, 13], N1=4, N2=2, Dqk=16, Dv=8, bs=16, K=2, dtype=torch.float64)
+    q, k, v = (a.pop(n).requires_grad_() for n in ("query", "key", "value"))
+    out, _, _ = sparseops.nsa_selected_attention(q, k, v, **a)
+    dq, dk, dv = torch.autograd.grad(out.pow(2).sum(), (q, k, v), create_graph=True)
+    with pytest.raises(RuntimeError, match="nsa_selected_attention_grad is not differentiable"):
+        dq.pow(2).sum().backward(retain_graph=True)
+    # a zero cotangent has the exact answer zero, whatever the function
+    (dq * 0.0).sum().backward()
+    assert not q.grad.any()
+
+
+def test_compiled_function_calling_the_grad_op_on_inputs_that_require_grad():
+    # AOT autograd traces a backward for every output that requires grad: the grad op needs a formula for that
+    # even when nothing backpropagates through it (a recomputation, a diagnostic)
+    a = make_nsa_inputs([20, 13], N1=4, N2=2, Dqk=16, Dv=8, bs=16, K=2, dtype=torch.float32)
+    q, k, v = (a.pop(n) for n in ("query", "key", "value"))
+    kw = {n: a[n] for n in ("scale_value", "selected_block_size", "selected_block_count", "head_num",
+                             "actual_seq_qlen", "actual_seq_kvlen", "sparse_mode")}
+
+    def f(q, k, v):
+        out, m, l = sparseops.nsa_selected_attention(q, k, v, **a)
+        dq, _, _ = sparseops.nsa_selected_attention_grad(q, k, v, out, torch.ones_like(out), m, l,
+                                                         a["topk_indices"], **kw)
+        return out, dq
+
+    torch._dynamo.reset()
+    res = []
+    for fn in (f, torch.compile(f, fullgraph=True, backend="aot_eager")):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        out, dq = fn(qq, kk, vv)
+        out.sum().backward()
+        res.append((out.detach(), dq.detach(), qq.grad))
+    for name, x, y in zip(("out", "dq", "q.grad"), *res):
+        assert_close(y, x, name=name)

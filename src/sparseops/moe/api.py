@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import _checks
+from .. import _autograd, _checks
 from .._checks import check_bool, check_int, check_same_device, check_tensor, fmt_shape
 from . import reference, torch_impl
 
@@ -365,6 +365,10 @@ def _(permuted_tokens_grad, sorted_indices, permuted_probs_grad, K, s, e, backen
     T = sorted_indices.shape[0] // K
     pg = permuted_tokens_grad.new_empty(0) if permuted_probs_grad is None else permuted_probs_grad.new_empty(T, K)
     return permuted_tokens_grad.new_empty(T, permuted_tokens_grad.shape[1]), pg
+
+
+_autograd.register(_unpermute_grad_op, "moe_token_unpermute_with_ep_grad")
+_autograd.register(_permute_grad_op, "moe_token_permute_with_ep_grad")
 
 
 def _permute_setup_context(ctx, inputs, output):

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import _checks, _triton
+from .. import _autograd, _checks, _triton
 from .._config import resolve_deterministic
 from .._varlen import normalize_cu_seqlens, token_seq_positions
 
@@ -289,6 +289,9 @@ def _bwd_op(
 @_bwd_op.register_fake
 def _(query, key, value, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, deterministic, backend):
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+_autograd.register(_bwd_op, "nsa_selected_attention_grad")
 
 
 def _setup_context(ctx, inputs, output):
