@@ -1,11 +1,13 @@
-"""``sparseops.testing``: the block-id builder's selection patterns."""
+"""``sparseops.testing``: the block-id builder's selection patterns, the input builders' checks, the error metric."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
-from sparseops.testing import make_topk_indices
+from sparseops.testing import make_nsa_inputs, make_topk_indices, rel_rms_error
 
 
 def _sets(idx):
@@ -49,3 +51,22 @@ def test_unknown_pattern_or_bad_window_is_an_error():
     for w in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match=f"window: expected a positive int, got {w!r}"):
             make_topk_indices([4], [4], 1, 1, 16, pattern="nsa", window=w)
+
+
+def test_builders_refuse_different_sequence_counts():
+    # zip() would silently have dropped the third query sequence
+    with pytest.raises(ValueError, match=r"seqlens_kv: expected as many sequences as seqlens_q \(3\), got 2"):
+        make_topk_indices([4, 5, 6], [4, 5], 1, 1, 16)
+    with pytest.raises(ValueError, match="seqlens_kv"):
+        make_nsa_inputs([4, 5, 6], [4, 5])
+
+
+def test_rel_rms_error_non_finite():
+    inf, nan = math.inf, math.nan
+    e = torch.tensor([1.0, inf, -inf, nan, 2.0])
+    assert rel_rms_error(e.clone(), e) == 0.0  # the same non-finite values where expected has them
+    assert rel_rms_error(torch.tensor([1.0, inf, inf, nan, 2.0]), e) == inf  # -inf became +inf
+    assert rel_rms_error(torch.tensor([1.0, inf, -inf, 0.0, 2.0]), e) == inf  # NaN became finite
+    assert rel_rms_error(torch.tensor([nan, inf, -inf, nan, 2.0]), e) == inf  # NaN where expected is finite
+    assert rel_rms_error(torch.tensor([1.5, inf, -inf, nan, 2.0]), e) == pytest.approx(
+        math.sqrt(0.25 / 2) / math.sqrt(5 / 2))  # over the finite elements

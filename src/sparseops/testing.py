@@ -26,13 +26,24 @@ def tolerance(dtype: torch.dtype) -> float:
 
 def rel_rms_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """``rms(actual - expected) / rms(expected)`` in float64; absolute RMS when ``expected`` is all zeros.
-    NaN/inf anywhere in ``actual`` (where ``expected`` is finite) gives ``inf``."""
+    NaN/inf in ``actual`` where ``expected`` is finite gives ``inf``; where ``expected`` is NaN/inf, ``actual`` must
+    hold the same (NaN, or inf of the same sign), else ``inf``; the RMS is over the finite elements."""
     a = actual.detach().to("cpu", torch.float64)
     e = expected.detach().to("cpu", torch.float64)
     if a.shape != e.shape:
         raise AssertionError(f"shape mismatch: {tuple(a.shape)} vs {tuple(e.shape)}")
     if a.numel() == 0:
         return 0.0
+    fin = torch.isfinite(e)
+    if not fin.all():
+        if not torch.equal(torch.isnan(a[~fin]), torch.isnan(e[~fin])):
+            return math.inf
+        nan = torch.isnan(e[~fin])
+        if not torch.equal(a[~fin][~nan], e[~fin][~nan]):
+            return math.inf
+        a, e = a[fin], e[fin]
+        if a.numel() == 0:
+            return 0.0
     if not torch.isfinite(a).all():
         return math.inf
     num = (a - e).pow(2).mean().sqrt().item()
@@ -102,6 +113,12 @@ def make_moe_inputs(
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _same_count(seqlens_q, seqlens_kv) -> None:
+    if len(seqlens_q) != len(seqlens_kv):
+        raise ValueError(f"seqlens_kv: expected as many sequences as seqlens_q ({len(seqlens_q)}), "
+                         f"got {len(seqlens_kv)}")
+
+
 def make_topk_indices(
     seqlens_q: list[int],
     seqlens_kv: list[int],
@@ -133,6 +150,7 @@ def make_topk_indices(
         raise ValueError(f"pattern: expected 'uniform' or 'nsa', got {pattern!r}")
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window: expected a positive int, got {window!r}")
+    _same_count(seqlens_q, seqlens_kv)
     device = torch.device(device)
     g = torch.Generator(device=device).manual_seed(seed)
     ar = functools.partial(torch.arange, device=device)
@@ -195,6 +213,7 @@ def make_nsa_inputs(
     """Packed TND inputs for ``nsa_selected_attention``: q ``[T1,N1,Dqk]``, k ``[T2,N2,Dqk]``, v ``[T2,N2,Dv]``,
     topk ``[T1,N2,K]``, CANN cumulative lengths (no leading 0), and the keyword arguments of the op."""
     seqlens_kv = list(seqlens_q) if seqlens_kv is None else list(seqlens_kv)
+    _same_count(seqlens_q, seqlens_kv)
     g = torch.Generator().manual_seed(seed)
     T1, T2 = sum(seqlens_q), sum(seqlens_kv)
     q = torch.randn(T1, N1, Dqk, generator=g, dtype=torch.float64)
