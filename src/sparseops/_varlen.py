@@ -41,11 +41,21 @@ def seq_lengths(cu: list[int]) -> list[int]:
     return [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
 
 
+def device_tensor(values: list[int], dtype: torch.dtype, device=None) -> torch.Tensor:
+    """A short host list as a tensor on ``device``. On CUDA through pinned memory with an asynchronous copy:
+    ``torch.tensor(values, device="cuda")`` copies from pageable memory and synchronizes the stream, so the host
+    could not queue the next launches while the GPU works."""
+    t = torch.tensor(values, dtype=dtype)
+    if device is not None and torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t if device is None else t.to(device)
+
+
 def token_seq_positions(cu: list[int], device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """For every packed token: (sequence id, position inside its sequence), int64, vectorized."""
-    lens = torch.tensor(seq_lengths(cu), dtype=torch.int64, device=device)
+    lens = device_tensor(seq_lengths(cu), torch.int64, device)
     total = cu[-1]
     seq_id = torch.repeat_interleave(torch.arange(len(lens), device=device), lens, output_size=total)
-    starts = torch.tensor(cu[:-1], dtype=torch.int64, device=device)
+    starts = device_tensor(cu[:-1], torch.int64, device)
     pos = torch.arange(total, dtype=torch.int64, device=device) - starts[seq_id]
     return seq_id, pos

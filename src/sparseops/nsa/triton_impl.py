@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from .. import _checks, _triton
-from .._varlen import seq_lengths, token_seq_positions
+from .._varlen import device_tensor, seq_lengths, token_seq_positions
 
 #: entries (query tokens) per dK/dV program; also sizes the deterministic workspace
 CHUNK = 256
@@ -163,8 +163,8 @@ def _dot_args(q) -> dict:
 def _token_meta(cu_q, cu_kv, device):
     """Per query token: position in its sequence (int32), first key row of its sequence (int64), S2 (int32)."""
     seq_id, pos = token_seq_positions(cu_q, device=device)
-    kv0 = torch.tensor(cu_kv[:-1], dtype=torch.int64, device=device)[seq_id]
-    s2 = torch.tensor(seq_lengths(cu_kv), dtype=torch.int32, device=device)[seq_id]
+    kv0 = device_tensor(cu_kv[:-1], torch.int64, device)[seq_id]
+    s2 = device_tensor(seq_lengths(cu_kv), torch.int32, device)[seq_id]
     return seq_id, pos.to(torch.int32), kv0, s2
 
 
@@ -221,11 +221,11 @@ def build_pack_table(topk, cu_q, P: int) -> dict:
     lens = seq_lengths(cu_q)
     per_seq = [-(-s // P) for s in lens]
     n_packs = sum(per_seq)
-    per_seq_t = torch.tensor(per_seq, dtype=torch.int64, device=dev)
+    per_seq_t = device_tensor(per_seq, torch.int64, dev)
     pk_seq = torch.repeat_interleave(torch.arange(len(lens), device=dev), per_seq_t, output_size=n_packs)
     first = torch.cumsum(per_seq_t, 0) - per_seq_t
-    starts = torch.tensor(cu_q[:-1], dtype=torch.int64, device=dev)
-    ends = torch.tensor(cu_q[1:], dtype=torch.int64, device=dev)
+    starts = device_tensor(cu_q[:-1], torch.int64, dev)
+    ends = device_tensor(cu_q[1:], torch.int64, dev)
     pk_t0 = starts[pk_seq] + (torch.arange(n_packs, device=dev) - first[pk_seq]) * P
     pk_n = torch.clamp(ends[pk_seq] - pk_t0, max=P)
     o_j = torch.arange(P, device=dev)
@@ -374,14 +374,14 @@ def build_inverse_index(topk, seq_id, bs, cu_kv, chunk):
     nblk = [-(-s // bs) for s in lens]
     NB = sum(nblk)
     NBG = N2 * NB
-    nblk_t = torch.tensor(nblk, dtype=torch.int64, device=dev)
+    nblk_t = device_tensor(nblk, torch.int64, dev)
     blk_base = torch.cumsum(nblk_t, 0) - nblk_t
     # per global block
     blk_seq = torch.repeat_interleave(torch.arange(len(lens), device=dev), nblk_t, output_size=NB)
     blk_loc = torch.arange(NB, device=dev) - blk_base[blk_seq]
     p0 = blk_loc * bs
-    kv_start = torch.tensor(cu_kv[:-1], dtype=torch.int64, device=dev)
-    s2 = torch.tensor(lens, dtype=torch.int64, device=dev)
+    kv_start = device_tensor(cu_kv[:-1], torch.int64, dev)
+    s2 = device_tensor(lens, torch.int64, dev)
     n_keys = torch.clamp(s2[blk_seq] - p0, max=bs)
     n2s = torch.arange(N2, device=dev)[:, None]
     blk_row0 = ((kv_start[blk_seq] + p0)[None, :] * N2 + n2s).reshape(-1)
