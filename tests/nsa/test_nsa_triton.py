@@ -698,3 +698,23 @@ def test_public_ops_backend_triton_with_autograd(dtype):
                           deterministic=det, backend="triton", **gk)
         for name, x, r in (("dq", dq, q64), ("dk", dk, k64), ("dv", dv, v64)):
             testing.assert_close(x, r.grad, dtype, f"{name} (grad op, deterministic={det})")
+
+
+@pytest.mark.parametrize("G", [4, 16], ids=["packed", "one-token"])
+def test_ids_past_the_sequence_unvalidated_are_masked_in_every_kernel(G):
+    """validate=False with ids past a sequence's blocks (undefined behaviour, but memory-safe): the forward and dQ
+    mask their keys by p < S2, and so must dK/dV, which used to add them into the next sequence's (or KV head's)
+    keys. Same results as those slots left empty (-1)."""
+    c = _case([9, 14], [20, 40], N1=2 * G, N2=2, Dqk=32, Dv=16, bs=16, K=2)
+    bad = c["topk"].clone()
+    bad[3, 0, 1] = 2  # sequence 0 has 2 blocks (S2 = 20)
+    bad[12, 1, 0] = 5  # sequence 1 has 3 blocks (S2 = 40)
+    empty = bad.clone()
+    empty[3, 0, 1] = empty[12, 1, 0] = -1
+    got = {}
+    for name, ids in (("bad", bad), ("empty", empty)):
+        cc = {**c, "topk": ids}
+        out, m, l = _fwd(triton_impl, cc)
+        got[name] = (out, *_bwd(triton_impl, cc, out, m, l), *_bwd(triton_impl, cc, out, m, l, deterministic=True))
+    for n, x, y in zip(("out", "dq", "dk", "dv", "dq det", "dk det", "dv det"), got["bad"], got["empty"]):
+        assert torch.equal(x, y), n

@@ -232,7 +232,7 @@ def build_pack_table(topk, cu_q, P: int) -> dict:
     live = o_j[None, :] < pk_n[:, None]  # [n_packs, P]
     tok = torch.where(live, pk_t0[:, None] + o_j[None, :], 0)
     none = torch.iinfo(torch.int32).max  # sorts after every block id
-    ids = topk[tok].to(torch.int32)  # [n_packs, P, N2, K]
+    ids = topk[tok].clamp(max=none).to(torch.int32)  # [n_packs, P, N2, K]; (validate=False) no int64 id wraps
     ids = torch.where(live[:, :, None, None] & (ids >= 0), ids, none)
     ids = ids.transpose(1, 2).reshape(n_packs, N2, P * K).sort(-1).values
     repeat = torch.cat([torch.zeros_like(ids[..., :1], dtype=torch.bool), ids[..., 1:] == ids[..., :-1]], -1)
@@ -390,7 +390,10 @@ def build_inverse_index(topk, seq_id, bs, cu_kv, chunk):
     # entries
     idx = topk.to(torch.int64)
     gb = n2s[None] * NB + blk_base[seq_id][:, None, None] + idx  # [T1, N2, K]
-    gb = torch.where(idx >= 0, gb, torch.full_like(gb, NBG)).reshape(-1)
+    # -1 slots, and (validate=False) ids past the sequence's blocks, which the forward and dQ mask by p < S2: no
+    # entry, so dK/dV stay the gradient of the forward instead of landing on the next sequence's keys
+    live = (idx >= 0) & (idx < nblk_t[seq_id][:, None, None])
+    gb = torch.where(live, gb, torch.full_like(gb, NBG)).reshape(-1)
     order = torch.argsort(gb, stable=True)
     gb_sorted = gb[order]
     ent_tok = torch.div(order, N2 * K, rounding_mode="floor").to(torch.int32)
