@@ -267,6 +267,38 @@ def test_small_chunks_give_the_same_result(monkeypatch):
     assert_close(g2, g, name="dq")
 
 
+def test_chunks_whose_gathered_blocks_pass_the_budget_are_split(monkeypatch):
+    # G = 1, few tokens per sequence, non-causal: each slot gathers its own block, which the per-slot budget of
+    # chunks() does not count; jobs() halves such chunks (down to one token) and the results stay the same
+    from sparseops.nsa import torch_impl
+
+    case = ("G1-short-q-long-kv", [3, 2, 4, 1], [60, 70, 33, 48], 2, 2, 16, 8, 16, 3, False, 0.0, True)
+    a = _inputs(case, torch.float64)
+    dout = torch.randn(a["query"].shape[0], 2, 8, dtype=torch.float64)
+    want = _ref(a, dout)
+    monkeypatch.setattr(torch_impl, "CHUNK_BYTES", 32768)
+    monkeypatch.setattr(torch_impl, "GATHER_BYTES", 32768)
+    q, k, v, kw = _split(a)
+    cu_q = normalize_cu_seqlens("q", kw["actual_seq_qlen"], q.shape[0])
+    cu_kv = normalize_cu_seqlens("kv", kw["actual_seq_kvlen"], k.shape[0])
+    plan = torch_impl._Plan(q, k, kw["topk_indices"], 16, cu_q, cu_kv, False)
+    per_block = 16 * (16 + 8) * 8
+    per_slot = 1 * (16 + 2 * 8 + 16) * 8  # the forward's: G * (Dqk + 2 Dv + bs) * elt
+    assert len(plan.chunks(per_slot)) == 1  # all 10 tokens fit the per-slot budget
+    jobs = list(plan.jobs(per_slot, per_block))
+    assert len(jobs) > 1  # but not their gathered blocks
+    assert [j[0] for j in jobs] == sorted(j[0] for j in jobs)  # in token order (a fixed summation order)
+    for t0, t1, job in jobs:
+        assert t1 - t0 == 1 or job.rows.numel() * per_block <= 32768
+    out, m, l = sparseops.nsa_selected_attention(q, k, v, backend="torch", **kw)
+    got = (out, m[..., 0], l[..., 0], *sparseops.nsa_selected_attention_grad(
+        q, k, v, out, dout, m, l, kw["topk_indices"], scale_value=kw["scale_value"], selected_block_size=16,
+        selected_block_count=3, head_num=2, actual_seq_qlen=kw["actual_seq_qlen"],
+        actual_seq_kvlen=kw["actual_seq_kvlen"], sparse_mode=0, backend="torch"))
+    for name, x, y in zip(("out", "m", "l", "dq", "dk", "dv"), got, want):
+        assert_close(x, y, torch.float64, name=name)
+
+
 def test_atten_mask_is_accepted_and_never_read():
     a = _inputs(CASES[0], torch.float32)
     q, k, v, kw = _split(a)

@@ -34,6 +34,11 @@ import torch
 #: Each work tensor stays below glibc's largest mmap threshold (32 MiB), so chunk tensors are recycled instead of
 #: page-faulted in every time.
 CHUNK_BYTES = 32 * 2**20
+#: budget of one chunk's gathered K/V blocks (and, backward, their gradients), which CHUNK_BYTES does not count:
+#: a chunk over it is split in halves. At G = 16 tiles share blocks and a chunk gathers 14-28 MiB (T = 8K,
+#: growing slowly with T), left whole; with few tokens per block (G = 1, one query per sequence: a block per
+#: slot) the gathers reached 20-28x CHUNK_BYTES
+GATHER_BYTES = 4 * CHUNK_BYTES
 #: slots per tile; None: chosen per chunk by :func:`_tile_size`
 TILE = None
 #: candidate tile sizes
@@ -166,6 +171,23 @@ class _Plan:
         per_token = max(1, self.N2 * max(kmax, 1) * bytes_per_slot)
         C = max(1, CHUNK_BYTES // per_token)
         return [(t0, min(self.T1, t0 + C)) for t0 in range(0, self.T1, C)]
+
+    def jobs(self, bytes_per_slot: int, bytes_per_block: int):
+        """``(t0, t1, job)`` over :meth:`chunks`; a chunk whose gathered blocks (``bytes_per_block`` each: the
+        K/V copies, and in the backward their gradients) would pass :data:`GATHER_BYTES` is split in halves
+        until they fit or it is one token (few tokens sharing few blocks, e.g. G = 1 and one query per
+        sequence, gather a block per slot)."""
+        todo = self.chunks(bytes_per_slot)[::-1]
+        while todo:
+            t0, t1 = todo.pop()
+            job = self.chunk(t0, t1)
+            if job is None:
+                continue
+            if t1 - t0 > 1 and job.rows.numel() * bytes_per_block > GATHER_BYTES:
+                mid = (t0 + t1) // 2
+                todo += [(mid, t1), (t0, mid)]
+                continue
+            yield t0, t1, job
 
     def _live_slots(self, t0, t1):
         """``[C, N2, K]``: the slot's block can hold a visible key (the per-key mask refines this)."""
@@ -383,10 +405,7 @@ def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
     kb = plan.to_blocks(k, acc)
     vb = plan.to_blocks(v, acc)
     elt = torch.finfo(acc).bits // 8
-    for t0, t1 in plan.chunks(plan.G * (Dqk + 2 * Dv + bs) * elt):
-        job = plan.chunk(t0, t1)
-        if job is None:
-            continue
+    for t0, t1, job in plan.jobs(plan.G * (Dqk + 2 * Dv + bs) * elt, bs * (Dqk + Dv) * elt):
         run = _forward_union if isinstance(job, _UnionJob) else _forward_tiles
         o, m[t0:t1], l[t0:t1] = run(job, q[t0:t1].to(acc) * scale, kb, vb, acc)
         out[t0:t1] = o.to(q.dtype)
@@ -458,10 +477,7 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     dkb = torch.zeros_like(kb)
     dvb = torch.zeros_like(vb)
     elt = torch.finfo(acc).bits // 8
-    for t0, t1 in plan.chunks(G * (3 * Dqk + 2 * Dv + 3 * bs) * elt):
-        job = plan.chunk(t0, t1)
-        if job is None:
-            continue
+    for t0, t1, job in plan.jobs(G * (3 * Dqk + 2 * Dv + 3 * bs) * elt, 2 * bs * (Dqk + Dv) * elt):
         run = _backward_union if isinstance(job, _UnionJob) else _backward_tiles
         dqc, dkt, dvt = run(job, q[t0:t1].to(acc) * scale, dout[t0:t1].to(acc), out[t0:t1].to(acc),
                             m[t0:t1, :, None].to(acc), l[t0:t1, :, None].to(acc), kb, vb, acc)
