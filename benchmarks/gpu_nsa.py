@@ -217,17 +217,6 @@ def bench(fn, smoke, rep=60):
     return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
 
 
-def rel_rms(x, y) -> float:
-    """``testing.rel_rms_error`` computed on the tensors' device in fp32 (the testing one copies to the host in
-    float64: ~35 s per variant at the paper's shape, which would eat the timed run)."""
-    x, y = x.float(), y.float()
-    if not bool(torch.isfinite(x).all()):
-        return math.inf
-    num = torch.linalg.vector_norm(x - y).item()
-    den = torch.linalg.vector_norm(y).item()
-    return num / den if den > 0 else num / max(1, x.numel()) ** 0.5
-
-
 def extra_mib(fn, device):
     """Memory one call allocates above what was live before it, from one call outside ``bench`` (do_bench holds
     a 256 MiB L2-flush buffer while it times, which would count)."""
@@ -286,10 +275,11 @@ def fla_runner(q, k, v, topk, bs, cu, scale, ref_out=None, dout=None, ref_grads=
         return f"failed: {type(e).__name__}: {str(e)[:160]}"
     err = {}
     if ref_grads is not None:
-        err.update({n: rel_rms(t.grad[0], r) for n, t, r in zip(("dq", "dk", "dv"), (qq, kk, vv), ref_grads)})
+        grads = (qq.grad[0], kk.grad[0], vv.grad[0])
+        err.update({n: testing.rel_rms_error(g, r) for n, g, r in zip(("dq", "dk", "dv"), grads, ref_grads)})
     o = fwd()
     if ref_out is not None:
-        err["out"] = rel_rms(o[0], ref_out)
+        err["out"] = testing.rel_rms_error(o[0], ref_out)
     if err:
         print("  fla parallel_nsa vs ours: relative RMS " + ", ".join(f"{n} {e:.2e}" for n, e in err.items()),
               flush=True)
@@ -413,7 +403,7 @@ def tune(device, cfg, smoke=False, on_step=None):
             # each variant's results against its selection's base (a wrong variant must not look fast)
             got = (*fwd_call()[:1], *bwd_call())
             ref = refs.setdefault(sel, got)
-            err = max(rel_rms(x, y) for x, y in zip(got, ref))
+            err = max(testing.rel_rms_error(x, y) for x, y in zip(got, ref))
             row = {**label, "fwd_ms": bench(fwd_call, smoke), "bwd_ms": bench(bwd_call, smoke)}
             if det:
                 row["bwd_det_ms"] = bench(partial(bwd_call, deterministic=True), smoke)

@@ -27,9 +27,10 @@ def tolerance(dtype: torch.dtype) -> float:
 def rel_rms_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """``rms(actual - expected) / rms(expected)`` in float64; absolute RMS when ``expected`` is all zeros.
     NaN/inf in ``actual`` where ``expected`` is finite gives ``inf``; where ``expected`` is NaN/inf, ``actual`` must
-    hold the same (NaN, or inf of the same sign), else ``inf``; the RMS is over the finite elements."""
-    a = actual.detach().to("cpu", torch.float64)
-    e = expected.detach().to("cpu", torch.float64)
+    hold the same (NaN, or inf of the same sign), else ``inf``; the RMS is over the finite elements. Computed on
+    ``actual``'s device (a host copy of GPU-sized results would take tens of seconds)."""
+    a = actual.detach().to(torch.float64)
+    e = expected.detach().to(a.device, torch.float64)
     if a.shape != e.shape:
         raise AssertionError(f"shape mismatch: {tuple(a.shape)} vs {tuple(e.shape)}")
     if a.numel() == 0:
