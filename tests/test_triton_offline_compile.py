@@ -12,17 +12,18 @@ under ``TRITON_INTERPRET=1``.
 from __future__ import annotations
 
 import math
-import os
 import warnings
 
 import pytest
 import torch
 
-if os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on", "y"):  # Triton's rule
+from sparseops import _checks
+
+if _checks.triton_interpret():
     pytest.skip("offline compile needs compiled Triton (TRITON_INTERPRET is set)", allow_module_level=True)
 pytest.importorskip("triton")
 
-from sparseops import _checks, _triton  # noqa: E402
+from sparseops import _triton  # noqa: E402
 from sparseops.moe import triton_impl as moe_triton  # noqa: E402
 from sparseops.nsa import api  # noqa: E402
 from sparseops.nsa import triton_impl as nsa_triton  # noqa: E402

@@ -95,6 +95,12 @@ def check_bool(name: str, v) -> bool:
     return v
 
 
+def data_checks(validate: bool, t: torch.Tensor) -> bool:
+    """Whether to run the data-dependent checks that read ``t``: asked for, something to read, and not while
+    ``torch.compile`` traces (a graph break) or on meta tensors (no data)."""
+    return validate and t.numel() > 0 and t.device.type != "meta" and not torch.compiler.is_compiling()
+
+
 def check_same_device(**tensors) -> torch.device:
     devs = {k: t.device for k, t in tensors.items() if t is not None}
     if len(set(devs.values())) > 1:

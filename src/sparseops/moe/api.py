@@ -84,11 +84,6 @@ def normalize_range(range, N: int, natural_end: int) -> tuple[int, int]:
     return s, e
 
 
-def _data_checks(validate: bool, t: torch.Tensor) -> bool:
-    """The data-dependent checks read ``t``: not while ``torch.compile`` traces, not on meta tensors (no data)."""
-    return validate and t.numel() > 0 and t.device.type != "meta" and not torch.compiler.is_compiling()
-
-
 def _check_padded_mode(padded_mode) -> None:
     check_bool("padded_mode", padded_mode)
     if padded_mode:
@@ -125,7 +120,7 @@ def _check_sorted_indices(sorted_indices, T: int, K: int, validate: bool, *, T_f
             raise ValueError(f"sorted_indices: expected a length that is a multiple of K={K} ({T_from}), got {N}")
     elif N != T * K:
         raise ValueError(f"sorted_indices: expected length T*K={T}*{K}={T * K} ({T_from}), got {N}")
-    if _data_checks(validate, sorted_indices):
+    if _checks.data_checks(validate, sorted_indices):
         lo, hi = int(sorted_indices.min()), int(sorted_indices.max())
         if lo < 0 or hi >= N:
             raise ValueError(f"sorted_indices: expected values in [0, N={N}), got min {lo} and max {hi}")
@@ -195,7 +190,7 @@ def check_permute_args(tokens, indices, probs, range, num_out_tokens, padded_mod
     else:
         natural = max(N + num_out_tokens, 0)
     s, e = normalize_range(range, N, natural)
-    if _data_checks(validate, indices):
+    if _checks.data_checks(validate, indices):
         lo = int(indices.min())
         if lo < 0:
             raise ValueError(f"indices: expected expert ids >= 0, got min {lo}")

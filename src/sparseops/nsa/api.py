@@ -204,7 +204,7 @@ def _check_args(
         raise ValueError(
             f"actual_seq_kvlen: expected as many sequences as actual_seq_qlen ({len(cu_q) - 1}), got {len(cu_kv) - 1}"
         )
-    if validate and T1 > 0 and device.type != "meta" and not torch.compiler.is_compiling():
+    if _checks.data_checks(validate, topk_indices):
         _check_block_ids(topk_indices, bs, cu_q, cu_kv)
     return scale, bs, cu_q, cu_kv, sparse_mode == 2, device
 
