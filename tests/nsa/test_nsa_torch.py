@@ -207,21 +207,38 @@ def test_int64_topk_and_tensor_cu_seqlens():
         assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("layout", ["union", "tile1", "tile3", "tile64"])
-@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3]], ids=[CASES[0][0], CASES[1][0], CASES[3][0]])
-def test_every_layout_matches_reference(case, layout, monkeypatch):
-    # the torch backend picks per chunk a union layout or a block-centric one whose tiles hold M slots of one
-    # block (M picked per chunk); force union everywhere, or tiles with M = 1 (no padding), an odd M (padding
-    # rows in most tiles) and M = 64 (one tile per block, mostly padding)
+def _layouts(a, kw):
+    """The layouts the torch backend's forward plan picks for these inputs: {"span", "union", "tiles"}."""
     from sparseops.nsa import torch_impl
 
-    if layout == "union":
+    q, k = a["query"], a["key"]
+    plan = torch_impl._Plan(q, k, kw["topk_indices"], kw["selected_block_size"],
+                            normalize_cu_seqlens("q", kw["actual_seq_qlen"], q.shape[0]),
+                            normalize_cu_seqlens("kv", kw["actual_seq_kvlen"], k.shape[0]), kw["sparse_mode"] == 2)
+    return {("span" if job.span else "union") if isinstance(job, torch_impl._UnionJob) else "tiles"
+            for _, _, job in plan.jobs(1, 1)}
+
+
+@pytest.mark.parametrize("layout", ["span", "union", "tile1", "tile3", "tile64"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3]], ids=[CASES[0][0], CASES[1][0], CASES[3][0]])
+def test_every_layout_matches_reference(case, layout, monkeypatch):
+    # the torch backend picks per chunk a union layout (its blocks as one span of the block buffer, a view, or
+    # gathered) or a block-centric one whose tiles hold M slots of one block (M picked per chunk); force a
+    # span everywhere (across sequences too: the other sequences' blocks are masked), a gathered union, or
+    # tiles with M = 1 (no padding), an odd M (padding rows in most tiles) and M = 64 (one tile per block,
+    # mostly padding)
+    from sparseops.nsa import torch_impl
+
+    if layout in ("span", "union"):
         monkeypatch.setattr(torch_impl, "UNION_WASTE", float("inf"))
+        monkeypatch.setattr(torch_impl, "SPAN", layout == "span")
+        monkeypatch.setattr(torch_impl, "SPAN_SLACK", float("inf"))
     else:
         monkeypatch.setattr(torch_impl, "UNION_WASTE", 0.0)
         monkeypatch.setattr(torch_impl, "TILE", int(layout[4:]))
     a = _inputs(case, torch.float64, seed=11)
     q, k, v, kw = _split(a)
+    assert _layouts(a, kw) == {"tiles" if layout.startswith("tile") else layout}
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     out, m, l = sparseops.nsa_selected_attention(q, k, v, backend="torch", **kw)
     dout = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
@@ -230,6 +247,36 @@ def test_every_layout_matches_reference(case, layout, monkeypatch):
     for name, x, y in zip(("out", "m", "l", "dq", "dk", "dv"),
                           (out, m[..., 0], l[..., 0], q.grad, k.grad, v.grad), ref):
         assert_close(x, y, name=name)
+
+
+def test_small_g_dense_selection_takes_a_span():
+    # G = 1 with every token picking most of its visible blocks: tiles would gather a block per slot (memory
+    # bound); the plan takes the selection's span of the block buffer instead (no gather), and its results
+    # and gradients match the reference; the deterministic backward is bitwise repeatable
+    from sparseops.nsa import torch_impl
+
+    case = ("G1-dense", [300, 200], None, 4, 4, 32, 16, 16, 12, True, 0.0, False)
+    a = _inputs(case, torch.float64, seed=5)
+    q, k, v, kw = _split(a)
+    assert "span" in _layouts(a, kw)
+    cu = normalize_cu_seqlens("q", kw["actual_seq_qlen"], q.shape[0])
+    plan = torch_impl._Plan(q, k, kw["topk_indices"], 16, cu, cu, True)
+    assert all(job.gathered == 0 for _, _, job in plan.jobs(1, 1) if isinstance(job, torch_impl._UnionJob)
+               and job.span)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out, m, l = sparseops.nsa_selected_attention(q, k, v, backend="torch", **kw)
+    dout = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    out.backward(dout)
+    for name, x, y in zip(("out", "m", "l", "dq", "dk", "dv"),
+                          (out, m[..., 0], l[..., 0], q.grad, k.grad, v.grad), _ref(a, dout)):
+        assert_close(x, y, name=name)
+    grads = [sparseops.nsa_selected_attention_grad(
+        q.detach(), k.detach(), v.detach(), out.detach(), dout, m, l, kw["topk_indices"],
+        scale_value=kw["scale_value"], selected_block_size=16, selected_block_count=12, head_num=4,
+        actual_seq_qlen=kw["actual_seq_qlen"], actual_seq_kvlen=kw["actual_seq_kvlen"], sparse_mode=2,
+        deterministic=True, backend="torch") for _ in range(2)]
+    for x, y in zip(*grads):
+        assert torch.equal(x, y)
 
 
 def test_very_negative_scores_give_exact_zeros():
@@ -278,6 +325,7 @@ def test_chunks_whose_gathered_blocks_pass_the_budget_are_split(monkeypatch):
     want = _ref(a, dout)
     monkeypatch.setattr(torch_impl, "CHUNK_BYTES", 32768)
     monkeypatch.setattr(torch_impl, "GATHER_BYTES", 32768)
+    monkeypatch.setattr(torch_impl, "SPAN", False)  # a span (a view of the buffer) gathers nothing
     q, k, v, kw = _split(a)
     cu_q = normalize_cu_seqlens("q", kw["actual_seq_qlen"], q.shape[0])
     cu_kv = normalize_cu_seqlens("kv", kw["actual_seq_kvlen"], k.shape[0])
