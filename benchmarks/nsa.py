@@ -43,6 +43,7 @@ MATMUL_GOAL = 0.30  # ours fwd+bwd at least this share of the measured fp32 matm
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SHAPE = {"N1": 16, "N2": 1, "Dqk": 192, "Dv": 128, "bs": 64}
+G_PLOT = SHAPE["N1"] // SHAPE["N2"]  # the chart shows this G's rows
 
 
 def _configs(quick: bool, smoke: bool) -> list[dict]:
@@ -56,7 +57,9 @@ def _configs(quick: bool, smoke: bool) -> list[dict]:
         return [{"T": T, "K": K, **SHAPE, "dtype": "fp32"} for T, K in tk] + [
             {"T": 512, "K": 8, **SHAPE, "dtype": "bf16"}]
     tk = [(256, 4), (512, 8), (1024, 16), (2048, 16)]
-    return [{"T": T, "K": K, **SHAPE, "dtype": dt} for dt in ("fp32", "bf16") for T, K in tk]
+    # then fewer query heads per KV head at T = 4096: G = 16, 4, 1 (N1 = 16 query heads throughout)
+    return [{"T": T, "K": K, **SHAPE, "dtype": dt} for dt in ("fp32", "bf16") for T, K in tk] + [
+        {"T": 4096, "K": 16, **SHAPE, "N2": n2, "dtype": "fp32"} for n2 in (1, 4, 16)]
 
 
 def flops_per_pair(Dqk: int, Dv: int) -> dict:
@@ -264,7 +267,7 @@ def bench_case(case: dict, floors: dict, naive, *, quick: bool, smoke: bool, fla
 def _plot(rows: list[dict], path: Path) -> None:
     panels = []
     for dt in DTYPES:
-        rs = sorted((r for r in rows if r["dtype"] == dt), key=lambda r: r["T"])
+        rs = sorted((r for r in rows if r["dtype"] == dt and r["N1"] // r["N2"] == G_PLOT), key=lambda r: r["T"])
         if not rs:
             continue
         ms = lambda key, rs=rs: [r[key] * 1e3 if r.get(key) is not None else None for r in rs]  # noqa: E731
@@ -315,7 +318,7 @@ def markdown_table(record: dict) -> str:
         f"{f['matmul_bf16_flops'] / 1e9:.1f} GFLOP/s; copy {f['copy_bandwidth_Bps'] / 1e9:.2f} GB/s.",
         "",
     ]
-    hdr = ("T", "K", "dtype", "ours fwd+bwd ms", "ours fwd ms", "ours bwd (seed) ms", "fla fwd+bwd ms",
+    hdr = ("T", "K", "G", "dtype", "ours fwd+bwd ms", "ours fwd ms", "ours bwd (seed) ms", "fla fwd+bwd ms",
            "speedup", "GFLOP/s", "% of fp32 matmul", "ours peak", "peak / token", "fla peak",
            "goals (10x, 30%)")
     lines += ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
@@ -327,7 +330,7 @@ def markdown_table(record: dict) -> str:
             "skipped" if r.get("fla_skipped") else "-")
         goals = ("met" if r.get("goal_speedup_met") else ("missed" if "goal_speedup_met" in r else "n/a")) + \
             ", " + ("met" if r["goal_matmul_met"] else "missed")
-        cells = [str(r["T"]), str(r["K"]), r["dtype"], ms("ours_fwdbwd_s"), ms("ours_fwd_s"), ms("ours_bwd_s"),
+        cells = [str(r["T"]), str(r["K"]), str(r["N1"] // r["N2"]), r["dtype"], ms("ours_fwdbwd_s"), ms("ours_fwd_s"), ms("ours_bwd_s"),
                  ms("fla_fwdbwd_s") if r.get("fla_fwdbwd_s") else (
                      "(fp32 math: as fp32)" if "bf16" in r.get("fla_skipped", "") else
                      f"(est. {r['fla_estimated_s']:.0f} s)" if r.get("fla_skipped") else "-"),
@@ -347,10 +350,12 @@ def main(argv=None) -> int:
         print(markdown_table(C.last_record(args.out / "nsa.json")))
         return 0
     if args.spread:
-        print(C.spread_table(args.out / "nsa.json", ("T", "K", "dtype"), ("ours_fwdbwd_s", "fla_fwdbwd_s")))
+        print(C.spread_table(args.out / "nsa.json", ("T", "K", "N2", "dtype"), ("ours_fwdbwd_s", "fla_fwdbwd_s")))
         return 0
     if args.profile:
-        case = build_case([c for c in _configs(args.quick, args.smoke) if c["dtype"] == "fp32"][-1])
+        fp32 = [c for c in _configs(args.quick, args.smoke) if c["dtype"] == "fp32"]
+        # the largest T of the main sweep (G = 16), not the extra G rows
+        case = build_case(([c for c in fp32 if c["N2"] == SHAPE["N2"] and c["T"] <= 2048] or fp32)[-1])
         print(C.profile_table(lambda: ours_fwdbwd(case)))
         return 0
     record = run(quick=args.quick, smoke=args.smoke, out=args.out, peers=not args.no_peers, plot=not args.no_plot,
