@@ -43,7 +43,6 @@ MATMUL_GOAL = 0.30  # ours fwd+bwd at least this share of the measured fp32 matm
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SHAPE = {"N1": 16, "N2": 1, "Dqk": 192, "Dv": 128, "bs": 64}
-G_PLOT = SHAPE["N1"] // SHAPE["N2"]  # the chart shows this G's rows
 
 
 def _configs(quick: bool, smoke: bool) -> list[dict]:
@@ -266,8 +265,9 @@ def bench_case(case: dict, floors: dict, naive, *, quick: bool, smoke: bool, fla
 
 def _plot(rows: list[dict], path: Path) -> None:
     panels = []
+    g = rows[0]["N1"] // rows[0]["N2"]  # the main sweep's G (the extra G rows come last)
     for dt in DTYPES:
-        rs = sorted((r for r in rows if r["dtype"] == dt and r["N1"] // r["N2"] == G_PLOT), key=lambda r: r["T"])
+        rs = sorted((r for r in rows if r["dtype"] == dt and r["N1"] // r["N2"] == g), key=lambda r: r["T"])
         if not rs:
             continue
         ms = lambda key, rs=rs: [r[key] * 1e3 if r.get(key) is not None else None for r in rs]  # noqa: E731
