@@ -9,7 +9,9 @@ inside a chunk everything is batched, with no Python loop over tokens:
 2. per chunk, the slots that can see nothing (``-1``, or causal blocks that start after the query) are dropped;
 3. a chunk whose tokens pick overlapping blocks (it computes at most :data:`UNION_WASTE` times its live keys)
    runs in the *union layout*: batch = KV head, rows = G heads x the chunk's tokens, keys = every block some
-   token of the chunk selected, masked per token (large matmuls, some wasted keys, no per-slot copies);
+   token of the chunk selected, masked per token (large matmuls, some wasted keys, no per-slot copies),
+   gathered, or taken as the *span* of buffer blocks from the first selected to the last, a strided view (no
+   gather; the backward adds dK and dV into the buffer in place);
    every other chunk runs in the *block-centric layout*: the chunk's live slots are sorted by (KV head, block)
    and cut into *tiles* of ``M`` slots that share one block (the last tile of a block padded with empty rows);
    a tile's rows are the G query heads of its M tokens, so every product is one batched matmul over tiles:
@@ -61,7 +63,8 @@ _NEG_INF = float("-inf")
 def _union_limit(G: int) -> float:
     """The waste a span union may have: :data:`UNION_WASTE`, raised for small G, whose tiles (few rows per
     block) are bound by the gather of a block per few rows, not by the matmul: measured on 2 cores at
-    T = 4096-8192, K = 16, G = 1 ran 3x faster at 8, G = 4 up to 1.15x at 4, G = 16 best at 2-3."""
+    T = 4096-8192, K = 16, G = 1 ran 2.8-3.6x faster at 8 than at 2, G = 4 up to 1.15x at 4, G = 16 best at 2-3.
+    The score tensors grow with it, but G = 1's peak memory still fell (480 -> 366 MiB at T = 4096)."""
     return max(UNION_WASTE, min(8.0, 16.0 / G))
 
 
@@ -307,7 +310,8 @@ class _UnionJob:
     """One chunk's work: ``BB`` batches of ``G*R`` query rows against ``nblk*BS`` gathered keys.
 
     ``rows``: block-buffer rows to gather, ``[BB * nblk]``; ``vis``: ``[BB, 1, R, KB]`` key visibility;
-    ``mult``: ``[BB, 1, R, KB]`` key multiplicity (union layout with repeated ids) or None."""
+    ``mult``: ``[BB, 1, R, KB]`` key multiplicity (union layout with repeated ids) or None; ``span``: None, or
+    ``(first, last)``: the keys are buffer blocks ``[first, last)`` of every KV head, read as a view."""
 
     def __init__(self, plan, C, BB, R, rows, nblk, vis, mult, span=None):
         self.plan, self.C, self.BB, self.R, self.rows, self.nblk = plan, C, BB, R, rows, nblk
@@ -469,7 +473,8 @@ def _accumulate(buf, rows, src, deterministic):
 
 
 def _backward_union(job, qs, dy, o, mc, lc, kb, vb, acc, dkb, dvb):
-    """``(dq / scale [C, N1, Dqk], dK per gathered block, dV per gathered block)`` of a union chunk."""
+    """``(dq / scale [C, N1, Dqk], dK per gathered block, dV per gathered block)`` of a union chunk; for a span,
+    ``(dq / scale, None, None)``: dK and dV are added into ``dkb``, ``dvb`` here."""
     BB, G, R, KB = job.BB, job.plan.G, job.R, job.KB
     ks, vs = job.gather(kb), job.gather(vb)
     qs, dy, o, mc = job.to_rows(qs), job.to_rows(dy), job.to_rows(o), job.to_rows(mc)
