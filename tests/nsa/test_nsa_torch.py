@@ -207,38 +207,41 @@ def test_int64_topk_and_tensor_cu_seqlens():
         assert torch.equal(x, y)
 
 
-def _layouts(a, kw):
-    """The layouts the torch backend's forward plan picks for these inputs: {"span", "union", "tiles"}."""
+@pytest.fixture
+def layouts(monkeypatch):
+    """The set of layouts the torch backend's plans took in this test: "span", "union" (gathered), "tiles"."""
     from sparseops.nsa import torch_impl
 
-    q, k = a["query"], a["key"]
-    plan = torch_impl._Plan(q, k, kw["topk_indices"], kw["selected_block_size"],
-                            normalize_cu_seqlens("q", kw["actual_seq_qlen"], q.shape[0]),
-                            normalize_cu_seqlens("kv", kw["actual_seq_kvlen"], k.shape[0]), kw["sparse_mode"] == 2)
-    return {("span" if job.span else "union") if isinstance(job, torch_impl._UnionJob) else "tiles"
-            for _, _, job in plan.jobs(1, 1)}
+    seen, real = set(), torch_impl._Plan.jobs
+
+    def jobs(self, *args):
+        for t0, t1, job in real(self, *args):
+            seen.add(("span" if job.span else "union") if isinstance(job, torch_impl._UnionJob) else "tiles")
+            yield t0, t1, job
+
+    monkeypatch.setattr(torch_impl._Plan, "jobs", jobs)
+    return seen
 
 
 @pytest.mark.parametrize("layout", ["span", "union", "tile1", "tile3", "tile64"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3]], ids=[CASES[0][0], CASES[1][0], CASES[3][0]])
-def test_every_layout_matches_reference(case, layout, monkeypatch):
+def test_every_layout_matches_reference(case, layout, monkeypatch, layouts):
     # the torch backend picks per chunk a union layout (its blocks as one span of the block buffer, a view, or
     # gathered) or a block-centric one whose tiles hold M slots of one block (M picked per chunk); force a
-    # span everywhere (across sequences too: the other sequences' blocks are masked), a gathered union, or
-    # tiles with M = 1 (no padding), an odd M (padding rows in most tiles) and M = 64 (one tile per block,
-    # mostly padding)
+    # span wherever a chunk holds one sequence (small chunks: most do), a gathered union, or tiles with M = 1
+    # (no padding), an odd M (padding rows in most tiles) and M = 64 (one tile per block, mostly padding)
     from sparseops.nsa import torch_impl
 
     if layout in ("span", "union"):
         monkeypatch.setattr(torch_impl, "UNION_WASTE", float("inf"))
         monkeypatch.setattr(torch_impl, "SPAN", layout == "span")
         monkeypatch.setattr(torch_impl, "SPAN_SLACK", float("inf"))
+        monkeypatch.setattr(torch_impl, "CHUNK_BYTES", 2**15)
     else:
         monkeypatch.setattr(torch_impl, "UNION_WASTE", 0.0)
         monkeypatch.setattr(torch_impl, "TILE", int(layout[4:]))
     a = _inputs(case, torch.float64, seed=11)
     q, k, v, kw = _split(a)
-    assert _layouts(a, kw) == {"tiles" if layout.startswith("tile") else layout}
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     out, m, l = sparseops.nsa_selected_attention(q, k, v, backend="torch", **kw)
     dout = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
@@ -247,9 +250,13 @@ def test_every_layout_matches_reference(case, layout, monkeypatch):
     for name, x, y in zip(("out", "m", "l", "dq", "dk", "dv"),
                           (out, m[..., 0], l[..., 0], q.grad, k.grad, v.grad), ref):
         assert_close(x, y, name=name)
+    if layout == "span":  # chunks across a sequence boundary take the gathered union
+        assert "span" in layouts and layouts <= {"span", "union"}
+    else:
+        assert layouts == {"tiles" if layout.startswith("tile") else layout}
 
 
-def test_small_g_dense_selection_takes_a_span():
+def test_small_g_dense_selection_takes_a_span(layouts):
     # G = 1 with every token picking most of its visible blocks: tiles would gather a block per slot (memory
     # bound); the plan takes the selection's span of the block buffer instead (no gather), and its results
     # and gradients match the reference; the deterministic backward is bitwise repeatable
@@ -258,11 +265,13 @@ def test_small_g_dense_selection_takes_a_span():
     case = ("G1-dense", [300, 200], None, 4, 4, 32, 16, 16, 12, True, 0.0, False)
     a = _inputs(case, torch.float64, seed=5)
     q, k, v, kw = _split(a)
-    assert "span" in _layouts(a, kw)
     cu = normalize_cu_seqlens("q", kw["actual_seq_qlen"], q.shape[0])
     plan = torch_impl._Plan(q, k, kw["topk_indices"], 16, cu, cu, True)
-    assert all(job.gathered == 0 for _, _, job in plan.jobs(1, 1) if isinstance(job, torch_impl._UnionJob)
-               and job.span)
+    spans = [(t0, t1, job) for t0, t1, job in plan.jobs(2**12, 1)
+             if isinstance(job, torch_impl._UnionJob) and job.span]
+    assert spans and all(job.gathered == 0 for _, _, job in spans)
+    assert all(t1 <= 300 or t0 >= 300 for t0, t1, _ in spans)  # never across the sequence boundary
+    layouts.clear()
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     out, m, l = sparseops.nsa_selected_attention(q, k, v, backend="torch", **kw)
     dout = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
@@ -277,6 +286,35 @@ def test_small_g_dense_selection_takes_a_span():
         deterministic=True, backend="torch") for _ in range(2)]
     for x, y in zip(*grads):
         assert torch.equal(x, y)
+    assert "span" in layouts
+
+
+@pytest.mark.parametrize("layout", ["default", "span", "union", "tiles"])
+def test_huge_finite_keys_out_of_sight_give_finite_results(layout, monkeypatch):
+    # fp32 keys so large that q.k overflows to +-inf, in rows no query sees: a causally masked row of a
+    # selected block, and a whole sequence that has keys but no queries (the union's span must not cover it,
+    # and the -inf mask must not turn +inf into NaN). The outputs and gradients stay finite in every layout
+    from sparseops.nsa import torch_impl
+
+    if layout == "tiles":
+        monkeypatch.setattr(torch_impl, "UNION_WASTE", 0.0)
+    elif layout != "default":
+        monkeypatch.setattr(torch_impl, "UNION_WASTE", float("inf"))
+        monkeypatch.setattr(torch_impl, "SPAN", layout == "span")
+        monkeypatch.setattr(torch_impl, "SPAN_SLACK", float("inf"))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(8, 1, 16, generator=g)
+    k, v = torch.randn(96, 1, 16, generator=g), torch.randn(96, 1, 16, generator=g)
+    k[32:64] = 3e38  # sequence 1: keys, no queries
+    k[10], k[11] = -3e38, 3e38  # sequence 0: after its queries (causal), in the block they select
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    topk = torch.zeros(8, 1, 1, dtype=torch.int32)  # every query takes its sequence's block 0
+    out, m, l = sparseops.nsa_selected_attention(
+        q, k, v, topk, scale_value=0.25, head_num=1, selected_block_size=16, selected_block_count=1,
+        actual_seq_qlen=[4, 4, 8], actual_seq_kvlen=[32, 64, 96], sparse_mode=2, backend="torch")
+    out.sum().backward()
+    for name, x in (("out", out), ("m", m), ("l", l), ("dq", q.grad), ("dv", v.grad)):
+        assert torch.isfinite(x).all(), name
 
 
 def test_very_negative_scores_give_exact_zeros():
