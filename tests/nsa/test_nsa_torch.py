@@ -258,8 +258,8 @@ def test_every_layout_matches_reference(case, layout, monkeypatch, layouts):
 
 def test_small_g_dense_selection_takes_a_span(layouts):
     # G = 1 with every token picking most of its visible blocks: tiles would gather a block per slot (memory
-    # bound); the plan takes the selection's span of the block buffer instead (no gather), and its results
-    # and gradients match the reference; the deterministic backward is bitwise repeatable
+    # bound); the plan takes the selection's span of the block buffer instead (no gather), never across a
+    # sequence boundary, and its results and gradients (deterministic or not) match the reference
     from sparseops.nsa import torch_impl
 
     case = ("G1-dense", [300, 200], None, 4, 4, 32, 16, 16, 12, True, 0.0, False)
@@ -276,24 +276,60 @@ def test_small_g_dense_selection_takes_a_span(layouts):
     out, m, l = sparseops.nsa_selected_attention(q, k, v, backend="torch", **kw)
     dout = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     out.backward(dout)
+    ref = _ref(a, dout)
     for name, x, y in zip(("out", "m", "l", "dq", "dk", "dv"),
-                          (out, m[..., 0], l[..., 0], q.grad, k.grad, v.grad), _ref(a, dout)):
+                          (out, m[..., 0], l[..., 0], q.grad, k.grad, v.grad), ref):
         assert_close(x, y, name=name)
-    grads = [sparseops.nsa_selected_attention_grad(
+    grads = sparseops.nsa_selected_attention_grad(
         q.detach(), k.detach(), v.detach(), out.detach(), dout, m, l, kw["topk_indices"],
         scale_value=kw["scale_value"], selected_block_size=16, selected_block_count=12, head_num=4,
         actual_seq_qlen=kw["actual_seq_qlen"], actual_seq_kvlen=kw["actual_seq_kvlen"], sparse_mode=2,
-        deterministic=True, backend="torch") for _ in range(2)]
-    for x, y in zip(*grads):
-        assert torch.equal(x, y)
+        deterministic=True, backend="torch")
+    for name, x, y in zip(("dq", "dk", "dv"), grads, ref[3:]):
+        assert_close(x, y, name=name)
     assert "span" in layouts
+
+
+def _one_job(topk, N1, N2, S, bs=16, D=8):
+    """The torch plan's job for one sequence of ``S`` queries and keys (non-causal), all in one chunk."""
+    from sparseops.nsa import torch_impl
+
+    q, k = torch.zeros(S, N1, D), torch.zeros(S, N2, D)
+    ((_, _, job),) = list(torch_impl._Plan(q, k, topk, bs, [0, S], [0, S], False).jobs(1, 1))
+    return job
+
+
+def test_union_limit_rises_for_small_g():
+    # every token takes 1 of 8 blocks (round robin): the union of a chunk is all 8, 8x the live keys. That is
+    # past UNION_WASTE (2), so G = 16 runs tiles; for G = 1 (limit 8) the span is cheaper than tiles that
+    # gather a block per slot
+    from sparseops.nsa import torch_impl
+
+    S = 128
+    topk = (torch.arange(S) % 8).view(S, 1, 1).expand(S, 2, 1).to(torch.int32).contiguous()
+    assert isinstance(_one_job(topk, 32, 2, S), torch_impl._Job)
+    job = _one_job(topk, 2, 2, S)
+    assert isinstance(job, torch_impl._UnionJob) and job.span == (0, 8)
+
+
+def test_gathered_union_when_the_span_is_much_wider():
+    # every token takes blocks 0 and 6: the gathered union has 2 blocks, the span 7. Within G = 1's limit (8)
+    # but 3.5x the gathered blocks, where a gather costs little next to 128 tokens' compute (SPAN_SLACK)
+    from sparseops.nsa import torch_impl
+
+    S = 128
+    topk = torch.tensor([0, 6], dtype=torch.int32).expand(S, 1, 2).contiguous()
+    job = _one_job(topk, 1, 1, S)
+    assert isinstance(job, torch_impl._UnionJob) and job.span is None and job.nblk == 2
+    topk = torch.tensor([0, 1], dtype=torch.int32).expand(S, 1, 2).contiguous()
+    assert _one_job(topk, 1, 1, S).span == (0, 2)  # as narrow as the gathered union: a span
 
 
 @pytest.mark.parametrize("layout", ["default", "span", "union", "tiles"])
 def test_huge_finite_keys_out_of_sight_give_finite_results(layout, monkeypatch):
     # fp32 keys so large that q.k overflows to +-inf, in rows no query sees: a causally masked row of a
-    # selected block, and a whole sequence that has keys but no queries (the union's span must not cover it,
-    # and the -inf mask must not turn +inf into NaN). The outputs and gradients stay finite in every layout
+    # selected block, and a whole sequence that has keys but no queries (a span across it would read it with
+    # weight 0). The -inf mask must not turn +inf into NaN: outputs and gradients stay finite in every layout
     from sparseops.nsa import torch_impl
 
     if layout == "tiles":
@@ -313,7 +349,7 @@ def test_huge_finite_keys_out_of_sight_give_finite_results(layout, monkeypatch):
         q, k, v, topk, scale_value=0.25, head_num=1, selected_block_size=16, selected_block_count=1,
         actual_seq_qlen=[4, 4, 8], actual_seq_kvlen=[32, 64, 96], sparse_mode=2, backend="torch")
     out.sum().backward()
-    for name, x in (("out", out), ("m", m), ("l", l), ("dq", q.grad), ("dv", v.grad)):
+    for name, x in (("out", out), ("m", m), ("l", l), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
         assert torch.isfinite(x).all(), name
 
 

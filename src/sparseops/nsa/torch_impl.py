@@ -7,8 +7,8 @@ inside a chunk everything is batched, with no Python loop over tokens:
    all sequences, each sequence's last block zero-padded), so a selected block is one contiguous row of the
    buffer and ``topk`` ids turn into buffer rows with one add;
 2. per chunk, the slots that can see nothing (``-1``, or causal blocks that start after the query) are dropped;
-3. a chunk whose tokens pick overlapping blocks (it computes at most :data:`UNION_WASTE` times its live keys)
-   runs in the *union layout*: batch = KV head, rows = G heads x the chunk's tokens, keys = every block some
+3. a chunk whose tokens pick overlapping blocks (it computes at most :data:`UNION_WASTE` times its live keys;
+   a span at most :func:`_union_limit`) runs in the *union layout*: batch = KV head, rows = G heads x the chunk's tokens, keys = every block some
    token of the chunk selected, masked per token (large matmuls, some wasted keys, no per-slot copies),
    gathered, or taken as the *span* of buffer blocks from the first selected to the last, a strided view (no
    gather; the backward adds dK and dV into the buffer in place);
@@ -222,8 +222,8 @@ class _Plan:
 
     def chunk(self, t0, t1):
         """The work of tokens ``[t0, t1)``: a :class:`_UnionJob` when the union of their blocks costs at most
-        :data:`UNION_WASTE` times their live keys (a span of the buffer: :data:`SPAN`), else their tiles as a
-        :class:`_Job`; None when no token of them sees a key."""
+        :data:`UNION_WASTE` times their live keys (a span of the buffer, :data:`SPAN`: :func:`_union_limit`
+        times), else their tiles as a :class:`_Job`; None when no token of them sees a key."""
         C, N2, bs, dev = t1 - t0, self.N2, self.bs, self.topk.device
         blk = self.topk[t0:t1]
         live = self._live_slots(t0, t1)
