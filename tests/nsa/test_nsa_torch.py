@@ -207,6 +207,21 @@ def test_int64_topk_and_tensor_cu_seqlens():
         assert torch.equal(x, y)
 
 
+def _autograd_matches_reference(a, seed):
+    """The torch backend's forward and autograd backward on float64 inputs ``a`` against the reference;
+    returns ``(out, m, l, dout, reference results)``."""
+    q, k, v, kw = _split(a)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out, m, l = sparseops.nsa_selected_attention(q, k, v, backend="torch", **kw)
+    dout = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    out.backward(dout)
+    ref = _ref(a, dout)
+    for name, x, y in zip(("out", "m", "l", "dq", "dk", "dv"),
+                          (out, m[..., 0], l[..., 0], q.grad, k.grad, v.grad), ref):
+        assert_close(x, y, name=name)
+    return out.detach(), m, l, dout, ref
+
+
 @pytest.fixture
 def layouts(monkeypatch):
     """The set of layouts the torch backend's plans took in this test: "span", "union" (gathered), "tiles"."""
@@ -240,16 +255,7 @@ def test_every_layout_matches_reference(case, layout, monkeypatch, layouts):
     else:
         monkeypatch.setattr(torch_impl, "UNION_WASTE", 0.0)
         monkeypatch.setattr(torch_impl, "TILE", int(layout[4:]))
-    a = _inputs(case, torch.float64, seed=11)
-    q, k, v, kw = _split(a)
-    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out, m, l = sparseops.nsa_selected_attention(q, k, v, backend="torch", **kw)
-    dout = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-    out.backward(dout)
-    ref = _ref(a, dout)
-    for name, x, y in zip(("out", "m", "l", "dq", "dk", "dv"),
-                          (out, m[..., 0], l[..., 0], q.grad, k.grad, v.grad), ref):
-        assert_close(x, y, name=name)
+    _autograd_matches_reference(_inputs(case, torch.float64, seed=11), seed=3)
     if layout == "span":  # chunks across a sequence boundary take the gathered union
         assert "span" in layouts and layouts <= {"span", "union"}
     else:
@@ -272,16 +278,9 @@ def test_small_g_dense_selection_takes_a_span(layouts):
     assert spans and all(job.gathered == 0 for _, _, job in spans)
     assert all(t1 <= 300 or t0 >= 300 for t0, t1, _ in spans)  # never across the sequence boundary
     layouts.clear()
-    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out, m, l = sparseops.nsa_selected_attention(q, k, v, backend="torch", **kw)
-    dout = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-    out.backward(dout)
-    ref = _ref(a, dout)
-    for name, x, y in zip(("out", "m", "l", "dq", "dk", "dv"),
-                          (out, m[..., 0], l[..., 0], q.grad, k.grad, v.grad), ref):
-        assert_close(x, y, name=name)
+    out, m, l, dout, ref = _autograd_matches_reference(a, seed=4)
     grads = sparseops.nsa_selected_attention_grad(
-        q.detach(), k.detach(), v.detach(), out.detach(), dout, m, l, kw["topk_indices"],
+        q, k, v, out, dout, m, l, kw["topk_indices"],
         scale_value=kw["scale_value"], selected_block_size=16, selected_block_count=12, head_num=4,
         actual_seq_qlen=kw["actual_seq_qlen"], actual_seq_kvlen=kw["actual_seq_kvlen"], sparse_mode=2,
         deterministic=True, backend="torch")

@@ -238,19 +238,19 @@ class _Plan:
         heads = torch.arange(N2, device=dev)[None, :, None]
         ngrp = N2 * self.NB
         key = torch.where(live, heads * self.NB + self.base[t0:t1, None, None] + blk, ngrp).reshape(-1)
+        n = int(live.sum())  # live slots
         if UNION_WASTE > 0:
             mark = torch.zeros(ngrp + 1, dtype=torch.bool, device=dev)
             mark[key] = True
             mark = mark[:-1].view(N2, self.NB)
-            nlive = int(live.sum())
             U = int(mark.sum(-1).max())  # the compact union's blocks per KV head
             sel = mark.any(0).nonzero()
             first, last = int(sel[0]), int(sel[-1]) + 1  # the span's
-            compact = U * C * N2 <= UNION_WASTE * nlive
+            compact = U * C * N2 <= UNION_WASTE * n
             # a span also covers blocks that no token of the chunk selected: only within one sequence, never
             # the (0-weighted) blocks of sequences packed between the chunk's
             one_seq = bisect.bisect_right(self.cu_q, t0) == bisect.bisect_right(self.cu_q, t1 - 1)
-            span = SPAN and one_seq and (last - first) * C * N2 <= _union_limit(self.G) * nlive and (
+            span = SPAN and one_seq and (last - first) * C * N2 <= _union_limit(self.G) * n and (
                 not compact or last - first <= U * (1.0 + SPAN_SLACK / (self.G * C)))
             if span or compact:
                 gblk = torch.where(live, self.base[t0:t1, None, None] + blk, 0)
@@ -258,7 +258,6 @@ class _Plan:
                     return self._union_job(t0, t1, live, gblk, mark, last - first, span=(first, last))
                 return self._union_job(t0, t1, live, gblk, mark, U)
         skey, order = torch.sort(key, stable=True)
-        n = int(live.sum())
         skey, order = skey[:n], order[:n]
         cnt = torch.bincount(skey, minlength=ngrp)
         M = _tile_size(cnt, self.G)
