@@ -8,10 +8,10 @@ inside a chunk everything is batched, with no Python loop over tokens:
    buffer and ``topk`` ids turn into buffer rows with one add;
 2. per chunk, the slots that can see nothing (``-1``, or causal blocks that start after the query) are dropped;
 3. a chunk whose tokens pick overlapping blocks (it computes at most :data:`UNION_WASTE` times its live keys;
-   a span at most :func:`_union_limit`) runs in the *union layout*: batch = KV head, rows = G heads x the chunk's tokens, keys = every block some
-   token of the chunk selected, masked per token (large matmuls, some wasted keys, no per-slot copies),
-   gathered, or taken as the *span* of buffer blocks from the first selected to the last, a strided view (no
-   gather; the backward adds dK and dV into the buffer in place);
+   a span at most :func:`_union_limit`) runs in the *union layout*: batch = KV head, rows = G heads x the
+   chunk's tokens, keys = every block some token of the chunk selected, masked per token (large matmuls, some
+   wasted keys, no per-slot copies), gathered, or taken as the *span* of buffer blocks from the first
+   selected to the last, a strided view (no gather; the backward adds dK and dV into the buffer in place);
    every other chunk runs in the *block-centric layout*: the chunk's live slots are sorted by (KV head, block)
    and cut into *tiles* of ``M`` slots that share one block (the last tile of a block padded with empty rows);
    a tile's rows are the G query heads of its M tokens, so every product is one batched matmul over tiles:
