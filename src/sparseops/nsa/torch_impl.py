@@ -302,16 +302,21 @@ class _Plan:
         uidx = where_u[heads[None, :, None], gblk]
         cnt = torch.zeros(C, N2, U, dtype=torch.int64, device=dev)
         cnt.scatter_add_(2, torch.where(live, uidx, 0), live.to(torch.int64))
-        # [C, N2, U, BS] in-sequence position of each key for each token (meaningful where cnt > 0)
-        p = (ublk[None] - self.base[t0:t1, None, None])[..., None] * bs + torch.arange(bs, device=dev)
-        vis = (cnt > 0)[..., None] & (p < self.s2[t0:t1, None, None, None])
+        # a key is visible to a token that selected its block when its in-sequence position
+        # (block - the token's first block) * BS + j is below the sequence's keys (and, causal, at most the
+        # token's position): compare [N2, U, BS] buffer positions with one bound per token, [N2, C, U, BS]
+        cnt = cnt.transpose(0, 1).contiguous()
+        kpos = ublk[..., None] * bs + torch.arange(bs, device=dev)
+        bound = self.s2[t0:t1]
         if self.causal:
-            vis &= p <= self.s1[t0:t1, None, None, None]
+            bound = torch.minimum(bound, self.s1[t0:t1] + 1)
+        bound = bound + self.base[t0:t1] * bs
+        vis = (cnt > 0)[..., None] & (kpos[:, None] < bound[None, :, None, None])
         mult = None
         if bool((cnt > 1).any()):
-            mult = (cnt[..., None] * vis).permute(1, 0, 2, 3).reshape(N2, 1, C, U * bs)
+            mult = (cnt[..., None] * vis).view(N2, 1, C, U * bs)
         rows = (ublk + heads[:, None] * self.NB).reshape(-1)
-        return _UnionJob(self, C, N2, C, rows, U, vis.permute(1, 0, 2, 3).reshape(N2, 1, C, U * bs), mult, span)
+        return _UnionJob(self, C, N2, C, rows, U, vis.view(N2, 1, C, U * bs), mult, span)
 
 
 class _UnionJob:
