@@ -212,6 +212,15 @@ class _Plan:
                 continue
             yield t0, t1, job
 
+    def _key_bound(self, tok):
+        """Per query token: the key of buffer position ``blk * BS + j`` (in the token's sequence) is visible
+        to it iff that position is below this bound, its sequence's first buffer key plus its key count (and,
+        causal, plus its own position + 1, whichever is smaller)."""
+        bound = self.s2[tok]
+        if self.causal:
+            bound = torch.minimum(bound, self.s1[tok] + 1)
+        return bound + self.base[tok] * self.bs
+
     def _live_slots(self, t0, t1):
         """``[C, N2, K]``: the slot's block can hold a visible key (the per-key mask refines this)."""
         blk = self.topk[t0:t1]
@@ -278,11 +287,8 @@ class _Plan:
         tile_blk = torch.repeat_interleave(torch.arange(ngrp, device=dev), ntile, output_size=NT)
         # [NT * M, BS] key visibility; padding rows see everything (their queries are 0, their dY is 0)
         tok = row_tok.clamp(max=C * N2 - 1) // N2 + t0
-        start = (tile_blk.repeat_interleave(M) % self.NB - self.base[tok]) * bs
-        p = start[:, None] + torch.arange(bs, device=dev)
-        vis = p < self.s2[tok, None]
-        if self.causal:
-            vis &= p <= self.s1[tok, None]
+        kpos = (tile_blk.repeat_interleave(M) % self.NB)[:, None] * bs + torch.arange(bs, device=dev)
+        vis = kpos < self._key_bound(tok)[:, None]
         vis |= (row_tok == C * N2)[:, None]
         return _Job(self, C, kc, M, NT, slot_row, row_tok, tile_blk, None if bool(vis.all()) else vis)
 
@@ -302,16 +308,12 @@ class _Plan:
         uidx = where_u[heads[None, :, None], gblk]
         cnt = torch.zeros(C, N2, U, dtype=torch.int64, device=dev)
         cnt.scatter_add_(2, torch.where(live, uidx, 0), live.to(torch.int64))
-        # a key is visible to a token that selected its block when its in-sequence position
-        # (block - the token's first block) * BS + j is below the sequence's keys (and, causal, at most the
-        # token's position): compare [N2, U, BS] buffer positions with one bound per token, [N2, C, U, BS]
+        # [N2, C, U, BS]: [N2, U, BS] buffer positions against one bound per token (:meth:`_key_bound`), for
+        # the blocks the token selected
         cnt = cnt.transpose(0, 1).contiguous()
         kpos = ublk[..., None] * bs + torch.arange(bs, device=dev)
-        bound = self.s2[t0:t1]
-        if self.causal:
-            bound = torch.minimum(bound, self.s1[t0:t1] + 1)
-        bound = bound + self.base[t0:t1] * bs
-        vis = (cnt > 0)[..., None] & (kpos[:, None] < bound[None, :, None, None])
+        vis = (cnt > 0)[..., None] & (kpos[:, None] < self._key_bound(torch.arange(t0, t1, device=dev))[
+            None, :, None, None])
         mult = None
         if bool((cnt > 1).any()):
             mult = (cnt[..., None] * vis).view(N2, 1, C, U * bs)
