@@ -328,15 +328,17 @@ def test_fit_paper_shape_on_hopper(capsys):
 
 
 def test_fit_shape_that_does_not_fit_returns_1(capsys):
-    """fp32 (a checking dtype) at G = 32, Dqk = Dv = 256, bs = 128 on consumer Ampere: the forward and the dK/dV
-    kernel do not fit; in bf16 the same shape fits, the dQ kernel taking its 128-key blocks in steps of 64."""
+    """fp32 (a checking dtype) at G = 32, Dqk = Dv = 256, bs = 128 on consumer Ampere: the dK/dV kernel does not
+    fit, the forward does in steps of 32 keys; in bf16 the same shape fits, the dQ kernel taking its 128-key blocks
+    in steps of 64."""
     _compiled_triton()
     shape = ["--arch", "86", "-G", "32", "--kv-heads", "1", "--dqk", "256", "--dv", "256", "--block-size", "128"]
     assert cli.main(["fit", *shape, "--dtype", "fp32"]) == 1
     out = capsys.readouterr().out
-    assert "forward        does not fit: nsa_fwd_kernel: G=32" in out and "101376 bytes" in out
-    assert "backward       does not fit: nsa_bwd_dkv_kernel: G=32" in out
-    assert "does not fit: DQ_ATOMIC, backward, deterministic, forward" in out and "'auto' runs the torch path" in out
+    fwd = [line.split() for line in out.splitlines() if line.split()[:2] == ["forward", "nsa_fwd_kernel"]]
+    assert [x[3] for x in fwd] == ["keys=32"], out
+    assert "backward       does not fit: nsa_bwd_dkv_kernel: G=32" in out and "101376 bytes" in out
+    assert "does not fit: DQ_ATOMIC, backward, deterministic." in out and "'auto' runs the torch path" in out
     assert cli.main(["fit", *shape]) == 0
     out = capsys.readouterr().out
     dq = [line.split() for line in out.splitlines() if line.split()[:2] == ["backward", "nsa_bwd_dq_kernel"]]

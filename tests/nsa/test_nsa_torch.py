@@ -358,6 +358,38 @@ def test_huge_finite_keys_out_of_sight_give_finite_results(layout, monkeypatch):
         assert_close(x, y, torch.float32, name=name)
 
 
+@pytest.mark.parametrize("layout", ["default", "span", "union", "tiles"])
+def test_ids_out_of_range_unvalidated_act_as_empty_slots(layout, monkeypatch):
+    """validate=False with ids past a sequence's blocks, below -1, or outside int32 (undefined behaviour): every
+    layout gives the results of those slots left empty (-1), bitwise; ``2**60 - 2**36`` (``id * bs`` wraps to
+    a negative position) used to pass as live and fail with an IndexError deep in torch."""
+    from sparseops.nsa import torch_impl
+
+    if layout == "tiles":
+        monkeypatch.setattr(torch_impl, "UNION_WASTE", 0.0)
+    elif layout != "default":
+        monkeypatch.setattr(torch_impl, "UNION_WASTE", float("inf"))
+        monkeypatch.setattr(torch_impl, "SPAN", layout == "span")
+        monkeypatch.setattr(torch_impl, "SPAN_SLACK", float("inf"))
+    a = make_nsa_inputs([9, 14], [20, 40], N1=4, N2=2, Dqk=16, Dv=8, bs=16, K=2, seed=4)
+    bad = a["topk_indices"].to(torch.int64)
+    empty = bad.clone()
+    for (t, n, s), x in (((3, 0, 1), 2), ((12, 1, 0), 5), ((5, 0, 1), 2**32), ((8, 0, 0), -2**32),
+                         ((10, 1, 1), 2**60 - 2**36), ((11, 0, 0), -5)):
+        bad[t, n, s], empty[t, n, s] = x, -1
+    q, k, v, kw = _split(a)
+    kw.pop("topk_indices")
+    dout = torch.randn(q.shape[0], q.shape[1], v.shape[2], generator=torch.Generator().manual_seed(1))
+    got = []
+    for ids in (bad, empty):
+        out, m, l = sparseops.nsa_selected_attention(q, k, v, ids, validate=False, backend="torch", **kw)
+        grads = sparseops.nsa_selected_attention_grad(q, k, v, out, dout, m, l, ids, validate=False,
+                                                      backend="torch", **kw)
+        got.append((out, m, l, *grads))
+    for name, x, y in zip(("out", "m", "l", "dq", "dk", "dv"), *got):
+        assert torch.equal(x, y), name
+
+
 def test_very_negative_scores_give_exact_zeros():
     # scores far below the row max (exp underflows; the backend clamps the exponent for speed) must still give
     # the reference's probabilities, and invisible keys exactly 0 gradient

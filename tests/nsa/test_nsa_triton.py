@@ -582,18 +582,20 @@ KEY_STEP_CASES = [
 
 @pytest.mark.parametrize("wide", [64, 0], ids=["wide-on", "wide-off"])
 @pytest.mark.parametrize("kw", [c[1] for c in KEY_STEP_CASES], ids=[c[0] for c in KEY_STEP_CASES])
-def test_dq_in_key_steps_smaller_than_the_block(monkeypatch, kw, wide):
-    """DQ_KEY_ROWS = 16: the dQ kernel takes each (padded) block in steps of 16 keys (bs = 48: 4 steps, 32: 2) in
-    one-token, packed and wide programs, against the reference."""
-    monkeypatch.setattr(triton_impl, "DQ_KEY_ROWS", 16)
+@pytest.mark.parametrize("knob", ["FWD_KEY_ROWS", "DQ_KEY_ROWS"], ids=["forward", "dq"])
+def test_key_steps_smaller_than_the_block(monkeypatch, knob, kw, wide):
+    """FWD_KEY_ROWS / DQ_KEY_ROWS = 16: the forward / dQ kernel takes each (padded) block in steps of 16 keys
+    (bs = 48: 4 steps, 32: 2) in one-token, packed and wide programs, against the reference."""
+    monkeypatch.setattr(triton_impl, knob, 16)
     monkeypatch.setattr(triton_impl, "WIDE_ROWS", wide)
     c = _case(**{"Dqk": 32, "Dv": 16, **kw})
     _check(c, torch.float32, deterministic_too=False)
 
 
-def test_dq_launch_short_of_shared_memory_takes_fewer_keys_per_step(monkeypatch):
-    """A dQ launch that does not fit even unpipelined is retried with half the key rows per step, down to what
-    fits; the result is the reference's."""
+@pytest.mark.parametrize("kernel", ["nsa_fwd_kernel", "nsa_bwd_dq_kernel"])
+def test_launch_short_of_shared_memory_takes_fewer_keys_per_step(monkeypatch, kernel):
+    """A forward / dQ launch that does not fit even unpipelined is retried with half the key rows per step, down
+    to what fits; the result is the reference's."""
     from triton.runtime.errors import OutOfResources
 
     from sparseops import _triton
@@ -602,7 +604,7 @@ def test_dq_launch_short_of_shared_memory_takes_fewer_keys_per_step(monkeypatch)
     monkeypatch.setattr(_triton, "_STAGES", {})
     monkeypatch.setattr(_triton, "_NO_FIT", {})
     calls = []
-    real = kern.nsa_bwd_dq_kernel
+    real = getattr(kern, kernel)
 
     class FitsSixteenKeys:
         __name__ = real.__name__
@@ -615,7 +617,7 @@ def test_dq_launch_short_of_shared_memory_takes_fewer_keys_per_step(monkeypatch)
                 return real[grid](*args, **kw)
             return run
 
-    monkeypatch.setattr(kern, "nsa_bwd_dq_kernel", FitsSixteenKeys())
+    monkeypatch.setattr(kern, kernel, FitsSixteenKeys())
     monkeypatch.setattr(triton_impl, "WIDE_ROWS", 0)  # one launch, so the calls below are its tries
     c = _case([5, 20], N1=4, N2=2, Dqk=32, Dv=16, bs=48, K=2, duplicates=True)
     _check(c, torch.float32, deterministic_too=False)
@@ -700,17 +702,27 @@ def test_public_ops_backend_triton_with_autograd(dtype):
             testing.assert_close(x, r.grad, dtype, f"{name} (grad op, deterministic={det})")
 
 
+@pytest.mark.parametrize("wide", [64, 0], ids=["wide-on", "wide-off"])
 @pytest.mark.parametrize("G", [4, 16], ids=["packed", "one-token"])
-def test_ids_past_the_sequence_unvalidated_are_masked_in_every_kernel(G):
+def test_ids_past_the_sequence_unvalidated_are_masked_in_every_kernel(monkeypatch, G, wide):
     """validate=False with ids past a sequence's blocks (undefined behaviour, but memory-safe): the forward and dQ
     mask their keys by p < S2, and so must dK/dV, which used to add them into the next sequence's (or KV head's)
-    keys. Same results as those slots left empty (-1)."""
+    keys. Same results as those slots left empty (-1). int64 ids outside int32 used to wrap: ``2**32`` and
+    ``-2**32`` into block 0 in packed programs (picked by a pack-mate), and ids past ``2**63 / bs`` into keys at
+    wild addresses in one-token programs, because ``id * bs`` wrapped negative."""
+    monkeypatch.setattr(triton_impl, "WIDE_ROWS", wide)
     c = _case([9, 14], [20, 40], N1=2 * G, N2=2, Dqk=32, Dv=16, bs=16, K=2)
-    bad = c["topk"].clone()
+    bad = c["topk"].to(torch.int64)
+    assert bool((bad[4:6, 0] == 0).any()) and bool((bad[9:12, 1] == 0).any())  # pack-mates that pick block 0
     bad[3, 0, 1] = 2  # sequence 0 has 2 blocks (S2 = 20)
     bad[12, 1, 0] = 5  # sequence 1 has 3 blocks (S2 = 40)
+    bad[5, 0, 1] = 2**32
+    bad[8, 0, 0] = -2**32
+    bad[10, 1, 1] = 2**60 - 2**36  # * bs = 2**64 - 2**40: wraps to -2**40
+    bad[11, 0, 0] = -5
     empty = bad.clone()
-    empty[3, 0, 1] = empty[12, 1, 0] = -1
+    for t, n, s in ((3, 0, 1), (12, 1, 0), (5, 0, 1), (8, 0, 0), (10, 1, 1), (11, 0, 0)):
+        empty[t, n, s] = -1
     got = {}
     for name, ids in (("bad", bad), ("empty", empty)):
         cc = {**c, "topk": ids}

@@ -224,7 +224,8 @@ class _Plan:
     def _live_slots(self, t0, t1):
         """``[C, N2, K]``: the slot's block can hold a visible key (the per-key mask refines this)."""
         blk = self.topk[t0:t1]
-        live = (blk >= 0) & (blk * self.bs < self.s2[t0:t1, None, None])
+        # blk < ceil(S2 / bs), not blk * bs < S2: (validate=False) an int64 id past 2**63 / bs would wrap negative
+        live = (blk >= 0) & (blk < (self.s2[t0:t1, None, None] + self.bs - 1) // self.bs)
         if self.causal:
             live &= blk * self.bs <= self.s1[t0:t1, None, None]
         return live

@@ -12,8 +12,8 @@ Same internal signatures as ``reference.py`` (docs/internals.md). Arguments are 
   under causal masking, up to its own token's position. With half-precision inputs, packs of 64 rows
   (``wide_pack_size``: 4 tokens at G = 16) run instead where their tokens share enough blocks (``WIDE_SHARE``,
   decided on the device by ``_q_plan``; both launches gated by per-program run flags); their products compile
-  to wgmma / tcgen05 on sm_90 / sm_100 (mma.sync GPUs: forward only, ``WIDE_SHARE_MMA_SYNC``). Not yet run on
-  a GPU.
+  to wgmma / tcgen05 on sm_90 / sm_100 (mma.sync GPUs: forward only, ``WIDE_SHARE_MMA_SYNC``). A block is
+  taken in steps of fewer keys where it does not fit the device whole. Not yet run on a GPU.
 - ``backward``: dQ query-major with the forward's grids, packing and wide packs (no atomics; it also writes
   ``D = rowsum(dY * O)``; a block in steps of fewer keys where it does not fit whole), then dK/dV
   key-block-major over an inverse index (for each key block of each KV head, the stably sorted list of
@@ -74,6 +74,8 @@ WIDE_MAX_BLOCK_VALUES = 40960
 #: needs 64 on GPUs with 99 KiB per program: sm_86, sm_89, sm_120; offline compile, docs/nsa.md); a power of two
 #: (other values are rounded down)
 DQ_KEY_ROWS = 128
+#: the same for the forward kernel (fp32 inputs at G = 32, Dqk = Dv = 256, bs = 128 need 64 on an H100 / H200)
+FWD_KEY_ROWS = 128
 #: default (non-deterministic) backward: compute dQ inside the dK/dV kernel with fp32 atomics instead of the
 #: query-major dQ kernel (saves re-gathering every selected K/V block; costs a [T1, N1, Dqk] fp32 buffer).
 #: Off until measured on a GPU (``benchmarks/gpu_nsa.py --tune`` times both); the deterministic path never uses it.
@@ -200,9 +202,8 @@ def _q_tile(G: int, K: int, bs: int, heads: dict, dq: bool = False, P: int | Non
     P = pack_size(G) if P is None else P
     block_g = _next_pow2(G) if P > 1 else max(16, _next_pow2(G))
     wide = dq and P > 1 and _block_values(bs, heads) >= 32768
-    tile = {"BLOCK_G": block_g, "PACK": P, "BLOCK_K": _next_pow2(K)}
-    if dq:
-        tile["BLOCK_KC"] = min(_next_pow2(bs), _key_rows(DQ_KEY_ROWS))
+    tile = {"BLOCK_G": block_g, "PACK": P, "BLOCK_K": _next_pow2(K),
+            "BLOCK_KC": min(_next_pow2(bs), _key_rows(DQ_KEY_ROWS if dq else FWD_KEY_ROWS))}
     return tile, 4 if P * block_g <= 16 and not wide else 8
 
 
@@ -232,7 +233,8 @@ def build_pack_table(topk, cu_q, P: int) -> dict:
     live = o_j[None, :] < pk_n[:, None]  # [n_packs, P]
     tok = torch.where(live, pk_t0[:, None] + o_j[None, :], 0)
     none = torch.iinfo(torch.int32).max  # sorts after every block id
-    ids = topk[tok].clamp(max=none).to(torch.int32)  # [n_packs, P, N2, K]; (validate=False) no int64 id wraps
+    # [n_packs, P, N2, K]; (validate=False) no int64 id wraps into a real block: below -1 is -1, past int32 none
+    ids = topk[tok].clamp(min=-1, max=none).to(torch.int32)
     ids = torch.where(live[:, :, None, None] & (ids >= 0), ids, none)
     ids = ids.transpose(1, 2).reshape(n_packs, N2, P * K).sort(-1).values
     repeat = torch.cat([torch.zeros_like(ids[..., :1], dtype=torch.bool), ids[..., 1:] == ids[..., :-1]], -1)
@@ -313,8 +315,8 @@ def pack_stats(q, topk, cu_q, bs: int, Dv: int) -> dict:
 
 def _launch_q(kernel, plan, dev, head, tail, **meta) -> None:
     """Launch the ``_q_plan`` launches of ``kernel`` with arguments ``(*head, *pack table, run, *tail)``. A launch
-    that does not fit the device's shared memory takes a block in smaller steps where it can (dQ: ``BLOCK_KC``
-    halved, down to 16); a wide one that still does not fit leaves all its tokens to the ordinary launch."""
+    that does not fit the device's shared memory takes a block in smaller steps (``BLOCK_KC`` halved, down to
+    16); a wide one that still does not fit leaves all its tokens to the ordinary launch."""
     wide_failed = False
     for i, (n, pk, run, tile, warps) in enumerate(plan):
         gate = run is not None and not wide_failed
@@ -323,7 +325,7 @@ def _launch_q(kernel, plan, dev, head, tail, **meta) -> None:
                 _triton.launch(kernel, (n, meta["N2"]), dev, (*head, *pk, run if gate else pk[0], *tail),
                                num_warps=warps, GATE=gate, **tile, **meta)
             except _triton.DoesNotFit:
-                if tile.get("BLOCK_KC", 0) > 16:
+                if tile["BLOCK_KC"] > 16:
                     tile = {**tile, "BLOCK_KC": tile["BLOCK_KC"] // 2}
                     continue
                 if i + 1 < len(plan):

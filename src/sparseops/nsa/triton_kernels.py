@@ -40,7 +40,8 @@ def _block_keys(idx, o_r, s1, kv0, S2, i_n2, N2: tl.constexpr, BS: tl.constexpr,
     """Block ``idx`` of one sequence: the in-sequence positions and flat key rows of its keys, and which of
     them a query at position ``s1`` sees (spec §2)."""
     o_p = idx * BS + o_r
-    m_k = (idx >= 0) & (o_r < BS) & (o_p < S2)
+    # the id is range-checked before its keys: (validate=False) idx * BS of an int64 id past 2**63 / BS wraps
+    m_k = (idx >= 0) & (idx < (S2 + BS - 1) // BS) & (o_r < BS) & (o_p < S2)
     if CAUSAL:
         m_k = m_k & (o_p <= s1)
     return o_p, (kv0 + o_p) * N2 + i_n2, m_k
@@ -56,7 +57,10 @@ def _pack_setup(
     the pack's distinct block ids and their count."""
     o_kk = tl.arange(0, BLOCK_K)
     b_tk = tl.load(topk + ((t0 + o_xj) * N2 + i_n2)[:, None] * K + o_kk[None, :],
-                   mask=m_x[:, None] & (o_kk < K)[None, :], other=-2).to(tl.int32)
+                   mask=m_x[:, None] & (o_kk < K)[None, :], other=-2)
+    # (validate=False) int64 ids outside int32 would wrap into real blocks: below -2 is -2, above the int32 max
+    # (never a pack's id, ``build_pack_table``) the max
+    b_tk = tl.minimum(tl.maximum(b_tk.to(tl.int64), -2), 2147483647).to(tl.int32)
     o_xs1 = s1 + o_xj
     s1_last = s1 + n_tok - 1
     p_ids = pk_ids + (i_p * N2 + i_n2) * (PACK * K)
@@ -143,13 +147,15 @@ def nsa_fwd_kernel(
     BLOCK_G: tl.constexpr, PACK: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, HAS_D2: tl.constexpr,
     BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, USE_WHILE: tl.constexpr,
-    GATE: tl.constexpr,
+    GATE: tl.constexpr, BLOCK_KC: tl.constexpr,
 ):
     """One program per (pack of PACK consecutive query tokens of one sequence, KV head); the tile rows are the
     pack's (token, head) pairs. PACK == 1 (G >= 9): the token's K slots in order. PACK > 1: the pack's distinct
     selected blocks (``pk_ids``, ``pk_nu`` of them), each loaded and multiplied once for all rows.
     GATE: the program runs only where ``run[pack, n2]`` is set (wide packs and ordinary programs split the
-    tokens between two launches, ``triton_impl._q_plan``)."""
+    tokens between two launches, ``triton_impl._q_plan``). A step takes ``BLOCK_KC`` keys of a block (the whole
+    padded block, or a part of it where that does not fit the device's shared memory: the online softmax takes
+    any run of keys as a step)."""
     i_p = tl.program_id(0).to(tl.int64)
     i_n2 = tl.program_id(1).to(tl.int64)
     if GATE:
@@ -158,7 +164,8 @@ def nsa_fwd_kernel(
     t0, n_tok, s1, kv0, S2, o_h, m_x, o_xj = _pack_rows(i_p, i_n2, pk_t0, pk_n, tok_pos, tok_kv0, tok_s2, N1, G,
                                                         BLOCK_G, PACK)
     ROWS: tl.constexpr = PACK * BLOCK_G
-    o_r = tl.arange(0, BLOCK_BS)
+    NKC: tl.constexpr = BLOCK_BS // BLOCK_KC
+    o_r = tl.arange(0, BLOCK_KC)
     o_d1 = tl.arange(0, BLOCK_D1)
     o_dv = tl.arange(0, BLOCK_DV)
     m_d1 = o_d1 < Dqk
@@ -177,9 +184,9 @@ def nsa_fwd_kernel(
 
     if PACK == 1:
         p_topk = topk + (t0 * N2 + i_n2) * K
-        for i_k in range(K):
-            idx = tl.load(p_topk + i_k).to(tl.int64)
-            o_p, o_row, m_k = _block_keys(idx, o_r, s1, kv0, S2, i_n2, N2, BS, CAUSAL)
+        for i_s in range(K * NKC):
+            idx = tl.load(p_topk + i_s // NKC).to(tl.int64)
+            o_p, o_row, m_k = _block_keys(idx, (i_s % NKC) * BLOCK_KC + o_r, s1, kv0, S2, i_n2, N2, BS, CAUSAL)
             # every row sees what the token sees; no multiplicities (b_l stands in for the unused weights)
             b_m, b_l, b_acc = _fwd_step(k, v, o_row, m_k, m_k[None, :], b_l, b_q1, b_q2, b_m, b_l, b_acc,
                                         o_d1, m_d1, o_d2, m_d2, o_dv, m_dv, scale, Dqk, Dv, HAS_D2, False, DOT, PREC)
@@ -188,15 +195,17 @@ def nsa_fwd_kernel(
                                                        N2, K, BLOCK_K, PACK)
         if USE_WHILE:
             # the interpreter cannot iterate range() over loaded scalars
-            i_u = 0
-            while i_u < n_u:
-                o_row, m_k, m_s, b_w = _pack_block(p_ids, i_u, b_tk, o_xs1, s1_last, o_r, kv0, S2, i_n2, N2, BS, CAUSAL)
+            i_s = 0
+            while i_s < n_u * NKC:
+                o_row, m_k, m_s, b_w = _pack_block(p_ids, i_s // NKC, b_tk, o_xs1, s1_last,
+                                                   (i_s % NKC) * BLOCK_KC + o_r, kv0, S2, i_n2, N2, BS, CAUSAL)
                 b_m, b_l, b_acc = _fwd_step(k, v, o_row, m_k, m_s, b_w, b_q1, b_q2, b_m, b_l, b_acc,
                                             o_d1, m_d1, o_d2, m_d2, o_dv, m_dv, scale, Dqk, Dv, HAS_D2, True, DOT, PREC)
-                i_u += 1
+                i_s += 1
         else:
-            for i_u in range(0, n_u):
-                o_row, m_k, m_s, b_w = _pack_block(p_ids, i_u, b_tk, o_xs1, s1_last, o_r, kv0, S2, i_n2, N2, BS, CAUSAL)
+            for i_s in range(0, n_u * NKC):
+                o_row, m_k, m_s, b_w = _pack_block(p_ids, i_s // NKC, b_tk, o_xs1, s1_last,
+                                                   (i_s % NKC) * BLOCK_KC + o_r, kv0, S2, i_n2, N2, BS, CAUSAL)
                 b_m, b_l, b_acc = _fwd_step(k, v, o_row, m_k, m_s, b_w, b_q1, b_q2, b_m, b_l, b_acc,
                                             o_d1, m_d1, o_d2, m_d2, o_dv, m_dv, scale, Dqk, Dv, HAS_D2, True, DOT, PREC)
 
