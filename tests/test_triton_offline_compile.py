@@ -178,6 +178,18 @@ def test_nsa_fp32_inputs_compile_at_the_paper_shape(monkeypatch):
         assert all(x.shared <= _triton.SHARED_LIMIT[90] for x in launches)
 
 
+def test_nsa_fp32_limits_fit_hopper_with_forward_key_steps(monkeypatch):
+    """The kernel tests' limits case in fp32 (G = 32, Dqk = Dv = 256, bs = 128, K = 128), which their compiled run
+    on an H100 / H200 takes: the forward's whole 128-key block needs 288 KiB even unpipelined, so the launcher
+    takes it in steps of 64 keys; every kernel of the forward and the backward variants then fits."""
+    [fwd] = _compile_nsa(90, "fwd", 32, 256, 256, 128, 128, torch.float32, monkeypatch)
+    assert fwd.meta["BLOCK_KC"] == 64 and fwd.shared <= _triton.SHARED_LIMIT[90], fwd
+    for mode in ("bwd", "det"):
+        launches = _compile_nsa(90, mode, 32, 256, 256, 128, 128, torch.float32, monkeypatch)
+        assert [x.kernel for x in launches] == MODES[mode], mode
+        assert all(x.shared <= _triton.SHARED_LIMIT[90] for x in launches), mode
+
+
 def test_nsa_smaller_gpu_takes_dq_blocks_in_parts_and_names_a_real_shortfall(monkeypatch):
     """Consumer Ampere (99 KiB per program) cannot hold the dQ kernel's whole 128-key block at G = 32, Dqk = Dv =
     256 (a token's 32 heads against K/V rows of 128 keys), even unpipelined: the launcher retries it in steps of 64
