@@ -63,6 +63,16 @@ def test_compile_fullgraph_matches_eager(compile_backend):
         assert_close(x, y, name=name)
 
 
+@pytest.mark.skipif(not hasattr(torch.Tag, "cudagraph_unsafe"), reason="torch without the cudagraph_unsafe tag")
+def test_ops_are_kept_out_of_cuda_graphs():
+    """Both NSA custom ops carry ``cudagraph_unsafe``: torch.compile(mode="reduce-overhead") runs them between
+    its captured partitions (a replay would reread the pinned host buffers of the sequence lengths after they
+    were freed). The MoE ops, whose Triton path reads nothing from the host, are not tagged."""
+    for name in ("nsa_selected_attention_fwd", "nsa_selected_attention_bwd"):
+        assert torch.Tag.cudagraph_unsafe in getattr(torch.ops.sparseops, name).default.tags, name
+    assert torch.Tag.cudagraph_unsafe not in torch.ops.sparseops.moe_unpermute_grad.default.tags
+
+
 def test_compiled_backward_follows_set_deterministic_at_run_time(monkeypatch):
     # the switch is read when the backward op runs, not baked into the graph when it was traced
     from sparseops.nsa import torch_impl

@@ -232,7 +232,13 @@ def _check_block_ids(topk: torch.Tensor, bs: int, cu_q: list[int], cu_kv: list[i
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("sparseops::nsa_selected_attention_fwd", mutates_args=())
+# Kept out of CUDA graphs (torch.compile(mode="reduce-overhead") runs them between the captured partitions): they
+# copy the host-side sequence lengths to the device through short-lived pinned buffers (``_varlen.device_tensor``),
+# which a graph replay would read again after they were freed, and the torch path reads sizes on the host.
+_GRAPH_UNSAFE = {"tags": (torch.Tag.cudagraph_unsafe,)} if hasattr(torch.Tag, "cudagraph_unsafe") else {}
+
+
+@torch.library.custom_op("sparseops::nsa_selected_attention_fwd", mutates_args=(), **_GRAPH_UNSAFE)
 def _fwd_op(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -259,7 +265,7 @@ def _(query, key, value, topk, scale, bs, cu_q, cu_kv, causal, backend):
     )
 
 
-@torch.library.custom_op("sparseops::nsa_selected_attention_bwd", mutates_args=())
+@torch.library.custom_op("sparseops::nsa_selected_attention_bwd", mutates_args=(), **_GRAPH_UNSAFE)
 def _bwd_op(
     query: torch.Tensor,
     key: torch.Tensor,
