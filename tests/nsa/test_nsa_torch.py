@@ -7,7 +7,7 @@ import torch
 import sparseops
 from sparseops._varlen import normalize_cu_seqlens
 from sparseops.nsa import reference
-from sparseops.testing import assert_close, make_nsa_inputs, poison_
+from sparseops.testing import assert_close, make_nsa_inputs, make_topk_indices, poison_
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -224,27 +224,31 @@ def _autograd_matches_reference(a, seed):
 
 @pytest.fixture
 def layouts(monkeypatch):
-    """The set of layouts the torch backend's plans took in this test: "span", "union" (gathered), "tiles"."""
+    """The set of layouts the torch backend's plans took in this test: "span", "union" (gathered), "tiles",
+    "global" (global tiles)."""
     from sparseops.nsa import torch_impl
 
     seen, real = set(), torch_impl._Plan.jobs
 
     def jobs(self, *args):
         for t0, t1, job in real(self, *args):
-            seen.add(("span" if job.span else "union") if isinstance(job, torch_impl._UnionJob) else "tiles")
+            seen.add(("span" if job.span else "union") if isinstance(job, torch_impl._UnionJob) else
+                     "global" if isinstance(job, torch_impl._GlobalTiles) else "tiles")
             yield t0, t1, job
 
     monkeypatch.setattr(torch_impl._Plan, "jobs", jobs)
     return seen
 
 
-@pytest.mark.parametrize("layout", ["span", "union", "tile1", "tile3", "tile64"])
+@pytest.mark.parametrize("layout", ["span", "union", "tile1", "tile3", "tile64", "global1", "global3"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3]], ids=[CASES[0][0], CASES[1][0], CASES[3][0]])
 def test_every_layout_matches_reference(case, layout, monkeypatch, layouts):
     # the torch backend picks per chunk a union layout (its blocks as one span of the block buffer, a view, or
-    # gathered) or a block-centric one whose tiles hold M slots of one block (M picked per chunk); force a
-    # span wherever a chunk holds one sequence (small chunks: most do), a gathered union, or tiles with M = 1
-    # (no padding), an odd M (padding rows in most tiles) and M = 64 (one tile per block, mostly padding)
+    # gathered) or a block-centric one whose tiles hold M slots of one block (M picked per chunk, or over all
+    # tile chunks at once: global tiles, run in batches); force a span wherever a chunk holds one sequence
+    # (small chunks: most do), a gathered union, or tiles with M = 1 (no padding), an odd M (padding rows in
+    # most tiles) and M = 64 (one tile per block, mostly padding), or global tiles of 1 and 3 slots in batches
+    # of a few tiles
     from sparseops.nsa import torch_impl
 
     if layout in ("span", "union"):
@@ -254,12 +258,17 @@ def test_every_layout_matches_reference(case, layout, monkeypatch, layouts):
         monkeypatch.setattr(torch_impl, "CHUNK_BYTES", 2**15)
     else:
         monkeypatch.setattr(torch_impl, "UNION_WASTE", 0.0)
-        monkeypatch.setattr(torch_impl, "TILE", int(layout[4:]))
+        monkeypatch.setattr(torch_impl, "TILE", int(layout[4:] if layout.startswith("tile") else layout[6:]))
+        g = float("inf") if layout.startswith("global") else 0.0
+        monkeypatch.setattr(torch_impl, "GLOBAL_FWD_SHARE", g)
+        monkeypatch.setattr(torch_impl, "GLOBAL_BWD_SHARE", g)
+        if layout.startswith("global"):
+            monkeypatch.setattr(torch_impl, "CHUNK_BYTES", 2**14)  # chunks of a few tokens, batches of a few tiles
     _autograd_matches_reference(_inputs(case, torch.float64, seed=11), seed=3)
     if layout == "span":  # chunks across a sequence boundary take the gathered union
         assert "span" in layouts and layouts <= {"span", "union"}
     else:
-        assert layouts == {"tiles" if layout.startswith("tile") else layout}
+        assert layouts == {"tiles" if layout.startswith("tile") else layout.rstrip("13")}
 
 
 def test_small_g_dense_selection_takes_a_span(layouts):
@@ -287,6 +296,20 @@ def test_small_g_dense_selection_takes_a_span(layouts):
     for name, x, y in zip(("dq", "dk", "dv"), grads, ref[3:]):
         assert_close(x, y, name=name)
     assert "span" in layouts
+
+
+@pytest.mark.parametrize("pattern", ["uniform", "nsa"])
+def test_tile_chunks_sharing_little_are_tiled_globally(pattern, monkeypatch, layouts):
+    """Chunks of 8 tokens that draw 4 of up to 38 blocks each share almost none (G * share ~ 5), while the call
+    shares ~60 slots per block: their tiles are built over all of them at once (forward and backward), and the
+    results are the reference's. NSA-like selections (neighbours share their blocks) keep the union layout."""
+    from sparseops.nsa import torch_impl
+
+    monkeypatch.setattr(torch_impl, "CHUNK_BYTES", 48 * 2**10)
+    a = make_nsa_inputs([600, 7], N1=4, N2=1, Dqk=16, Dv=8, bs=16, K=4, dtype=torch.float64, seed=5)
+    a["topk_indices"] = make_topk_indices([600, 7], [600, 7], N2=1, K=4, bs=16, pattern=pattern, seed=5)
+    _autograd_matches_reference(a, seed=2)
+    assert ("global" in layouts) == (pattern == "uniform"), layouts
 
 
 def _one_job(topk, N1, N2, S, bs=16, D=8):
