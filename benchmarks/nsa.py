@@ -56,9 +56,12 @@ def _configs(quick: bool, smoke: bool) -> list[dict]:
         return [{"T": T, "K": K, **SHAPE, "dtype": "fp32"} for T, K in tk] + [
             {"T": 512, "K": 8, **SHAPE, "dtype": "bf16"}]
     tk = [(256, 4), (512, 8), (1024, 16), (2048, 16)]
-    # then fewer query heads per KV head at T = 4096: G = 16, 4, 1 (N1 = 16 query heads throughout)
+    # then fewer query heads per KV head at T = 4096: G = 16, 4, 1 (N1 = 16 query heads throughout), and the
+    # paper's heads (N1 = 64, N2 = 4) at T = 8192, where uniformly drawn blocks are rarely shared by the tokens
+    # of a chunk (the torch path's global tiles)
     return [{"T": T, "K": K, **SHAPE, "dtype": dt} for dt in ("fp32", "bf16") for T, K in tk] + [
-        {"T": 4096, "K": 16, **SHAPE, "N2": n2, "dtype": "fp32"} for n2 in (1, 4, 16)]
+        {"T": 4096, "K": 16, **SHAPE, "N2": n2, "dtype": "fp32"} for n2 in (1, 4, 16)] + [
+        {"T": 8192, "K": 16, **SHAPE, "N1": 64, "N2": 4, "dtype": "fp32"}]
 
 
 def flops_per_pair(Dqk: int, Dv: int) -> dict:

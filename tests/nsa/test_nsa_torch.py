@@ -222,6 +222,21 @@ def _autograd_matches_reference(a, seed):
     return out.detach(), m, l, dout, ref
 
 
+def _force_layout(monkeypatch, layout):
+    """Make the torch backend take one layout wherever it can: "span", "union" (gathered), "tiles" (per chunk),
+    "global" (global tiles); "default": its own choice."""
+    from sparseops.nsa import torch_impl
+
+    if layout in ("tiles", "global"):
+        monkeypatch.setattr(torch_impl, "UNION_WASTE", 0.0)
+        for knob in ("GLOBAL_FWD_SHARE", "GLOBAL_BWD_SHARE"):
+            monkeypatch.setattr(torch_impl, knob, float("inf") if layout == "global" else 0.0)
+    elif layout != "default":
+        monkeypatch.setattr(torch_impl, "UNION_WASTE", float("inf"))
+        monkeypatch.setattr(torch_impl, "SPAN", layout == "span")
+        monkeypatch.setattr(torch_impl, "SPAN_SLACK", float("inf"))
+
+
 @pytest.fixture
 def layouts(monkeypatch):
     """The set of layouts the torch backend's plans took in this test: "span", "union" (gathered), "tiles",
@@ -251,24 +266,19 @@ def test_every_layout_matches_reference(case, layout, monkeypatch, layouts):
     # of a few tiles
     from sparseops.nsa import torch_impl
 
-    if layout in ("span", "union"):
-        monkeypatch.setattr(torch_impl, "UNION_WASTE", float("inf"))
-        monkeypatch.setattr(torch_impl, "SPAN", layout == "span")
-        monkeypatch.setattr(torch_impl, "SPAN_SLACK", float("inf"))
+    kind = layout.rstrip("0123456789")
+    _force_layout(monkeypatch, "tiles" if kind == "tile" else kind)
+    if kind in ("span", "union"):
         monkeypatch.setattr(torch_impl, "CHUNK_BYTES", 2**15)
     else:
-        monkeypatch.setattr(torch_impl, "UNION_WASTE", 0.0)
-        monkeypatch.setattr(torch_impl, "TILE", int(layout[4:] if layout.startswith("tile") else layout[6:]))
-        g = float("inf") if layout.startswith("global") else 0.0
-        monkeypatch.setattr(torch_impl, "GLOBAL_FWD_SHARE", g)
-        monkeypatch.setattr(torch_impl, "GLOBAL_BWD_SHARE", g)
-        if layout.startswith("global"):
-            monkeypatch.setattr(torch_impl, "CHUNK_BYTES", 2**14)  # chunks of a few tokens, batches of a few tiles
+        monkeypatch.setattr(torch_impl, "TILE", int(layout[len(kind):]))
+    if kind == "global":
+        monkeypatch.setattr(torch_impl, "CHUNK_BYTES", 2**14)  # chunks of a few tokens, batches of a few tiles
     _autograd_matches_reference(_inputs(case, torch.float64, seed=11), seed=3)
     if layout == "span":  # chunks across a sequence boundary take the gathered union
         assert "span" in layouts and layouts <= {"span", "union"}
     else:
-        assert layouts == {"tiles" if layout.startswith("tile") else layout.rstrip("13")}
+        assert layouts == {"tiles" if kind == "tile" else kind}
 
 
 def test_small_g_dense_selection_takes_a_span(layouts):
@@ -347,19 +357,12 @@ def test_gathered_union_when_the_span_is_much_wider():
     assert _one_job(topk, 1, 1, S).span == (0, 2)  # as narrow as the gathered union: a span
 
 
-@pytest.mark.parametrize("layout", ["default", "span", "union", "tiles"])
+@pytest.mark.parametrize("layout", ["default", "span", "union", "tiles", "global"])
 def test_huge_finite_keys_out_of_sight_give_finite_results(layout, monkeypatch):
     # fp32 keys so large that q.k overflows to +-inf, in rows no query sees: a causally masked row of a
     # selected block, and a whole sequence that has keys but no queries (a span across it would read it with
     # weight 0). The -inf mask must not turn +inf into NaN: outputs and gradients stay finite in every layout
-    from sparseops.nsa import torch_impl
-
-    if layout == "tiles":
-        monkeypatch.setattr(torch_impl, "UNION_WASTE", 0.0)
-    elif layout != "default":
-        monkeypatch.setattr(torch_impl, "UNION_WASTE", float("inf"))
-        monkeypatch.setattr(torch_impl, "SPAN", layout == "span")
-        monkeypatch.setattr(torch_impl, "SPAN_SLACK", float("inf"))
+    _force_layout(monkeypatch, layout)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(8, 1, 16, generator=g)
     k, v = torch.randn(96, 1, 16, generator=g), torch.randn(96, 1, 16, generator=g)
@@ -381,19 +384,12 @@ def test_huge_finite_keys_out_of_sight_give_finite_results(layout, monkeypatch):
         assert_close(x, y, torch.float32, name=name)
 
 
-@pytest.mark.parametrize("layout", ["default", "span", "union", "tiles"])
+@pytest.mark.parametrize("layout", ["default", "span", "union", "tiles", "global"])
 def test_ids_out_of_range_unvalidated_act_as_empty_slots(layout, monkeypatch):
     """validate=False with ids past a sequence's blocks, below -1, or outside int32 (undefined behaviour): every
     layout gives the results of those slots left empty (-1), bitwise; ``2**60 - 2**36`` (``id * bs`` wraps to
     a negative position) used to pass as live and fail with an IndexError deep in torch."""
-    from sparseops.nsa import torch_impl
-
-    if layout == "tiles":
-        monkeypatch.setattr(torch_impl, "UNION_WASTE", 0.0)
-    elif layout != "default":
-        monkeypatch.setattr(torch_impl, "UNION_WASTE", float("inf"))
-        monkeypatch.setattr(torch_impl, "SPAN", layout == "span")
-        monkeypatch.setattr(torch_impl, "SPAN_SLACK", float("inf"))
+    _force_layout(monkeypatch, layout)
     a = make_nsa_inputs([9, 14], [20, 40], N1=4, N2=2, Dqk=16, Dv=8, bs=16, K=2, seed=4)
     bad = a["topk_indices"].to(torch.int64)
     empty = bad.clone()
