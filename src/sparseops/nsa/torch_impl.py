@@ -486,11 +486,24 @@ class _GlobalTiles:
     """Block tiles over the live slots of the tokens ``tok`` (many chunks'), run in batches of tiles.
 
     ``slot_row [T1*N2*K]``, ``row_tok [NT*M]`` (token x KV head row, padding: ``T1*N2``) and ``tile_blk [NT]`` as
-    in :class:`_Job`, over the whole call."""
+    in :class:`_Job`, over the whole call; ``row_acc [NT*M]``: the row's place among the rows of ``tok`` (``i *
+    N2 + h`` for ``tok[i]``; padding: ``len(tok) * N2``), where results are summed."""
 
     def __init__(self, plan, tok, M, NT, slot_row, row_tok, tile_blk):
         self.plan, self.tok, self.M, self.NT = plan, tok, M, NT
         self.slot_row, self.row_tok, self.tile_blk = slot_row, row_tok, tile_blk
+        N2 = plan.N2
+        place = torch.full((plan.T1 + 1,), tok.numel(), dtype=torch.int64, device=tok.device)
+        place[tok] = torch.arange(tok.numel(), device=tok.device)
+        self.row_acc = place[row_tok // N2] * N2 + row_tok % N2
+        self.n_acc = tok.numel() * N2
+
+    def write(self, dst, acc_rows, scale=None):
+        """``dst[tok] = acc_rows`` (``[len(tok) * N2 (+ 1), G*F]``, times ``scale``), in ``dst``'s dtype."""
+        x = acc_rows[:self.n_acc].view(self.tok.numel(), *dst.shape[1:])
+        if scale is not None:
+            x.mul_(scale)
+        dst.index_copy_(0, self.tok, x.to(dst.dtype))
 
     def batches(self, bytes_per_tile):
         """Tile ranges whose work tensors stay within :data:`CHUNK_BYTES`."""
@@ -537,23 +550,22 @@ def _forward_global(job, q, kb, vb, scale, acc, out, m, l):
     # [T1*N2, G]: the token's max over its slots; 0 when it has none
     mt = torch.nn.functional.embedding(job.slot_row, smax).view(T1 * N2, p.K, G).amax(dim=1)
     mt = torch.where(mt == _NEG_INF, 0.0, mt)
-    o = torch.zeros(T1 * N2 + 1, G * Dv, dtype=acc, device=q.device)
-    lt = torch.zeros(T1 * N2 + 1, G, dtype=acc, device=q.device)
+    # the sums, over the rows of job.tok (and one padding row)
+    o = torch.zeros(job.n_acc + 1, G * Dv, dtype=acc, device=q.device)
+    lt = torch.zeros(job.n_acc + 1, G, dtype=acc, device=q.device)
     for i0, i1 in job.batches(per_tile):
         R = (i1 - i0) * M
-        rt = job.row_tok[i0 * M:i1 * M]
+        ra = job.row_acc[i0 * M:i1 * M]
         s = torch.bmm(job.rows(qf, i0, i1, acc).mul_(scale), job.gather(kb, i0, i1).transpose(1, 2))
         ssum = s.new_empty((R, G, 1, 1))
         _probs(s.view(R, G, 1, bs), job.weight(i0, i1, acc), job.rows(mt, i0, i1, acc).view(R, G, 1, 1), None,
                acc, sum_out=ssum)
-        lt.index_add_(0, rt, ssum.view(R, G))
-        o.index_add_(0, rt, torch.bmm(s, job.gather(vb, i0, i1)).view(R, G * Dv))
-    lt = lt[:-1]
-    o = o[:-1].view(T1 * N2, G, Dv).mul_(torch.where(lt > 0, 1.0 / lt, 0.0)[..., None])
-    tok = job.tok
-    out[tok] = o.view(T1, N1, Dv)[tok].to(out.dtype)
-    m[tok] = mt.view(T1, N1)[tok]
-    l[tok] = lt.view(T1, N1)[tok]
+        lt.index_add_(0, ra, ssum.view(R, G))
+        o.index_add_(0, ra, torch.bmm(s, job.gather(vb, i0, i1)).view(R, G * Dv))
+    o[:-1].view(-1, G, Dv).mul_(torch.where(lt[:-1] > 0, 1.0 / lt[:-1], 0.0)[..., None])
+    job.write(out, o)
+    job.write(l, lt)
+    m.index_copy_(0, job.tok, mt.view(T1, N1)[job.tok])
 
 
 def _forward_union(job, qs, kb, vb, acc):
@@ -686,7 +698,7 @@ def _backward_global(job, q, dout, out, m, l, kb, vb, scale, acc, dq, dkb, dvb, 
     # [T1*N2, G*3]: per row m, 1/l and D = rowsum(dY * O)
     stats = torch.stack([m.to(acc), torch.where(l > 0, 1.0 / l.to(acc), 0.0),
                          (dout.to(acc) * out.to(acc)).sum(dim=-1)], dim=-1).view(T1 * N2, G * 3)
-    dqa = torch.zeros(T1 * N2 + 1, G * Dqk, dtype=acc, device=q.device)
+    dqa = torch.zeros(job.n_acc + 1, G * Dqk, dtype=acc, device=q.device)  # over the rows of job.tok
     for i0, i1 in job.batches(per_tile):
         R = (i1 - i0) * M
         qt, dyt = job.rows(qf, i0, i1, acc).mul_(scale), job.rows(dyf, i0, i1, acc)
@@ -695,11 +707,10 @@ def _backward_global(job, q, dout, out, m, l, kb, vb, scale, acc, dq, dkb, dvb, 
         pr = torch.bmm(qt, ks.transpose(1, 2))
         _probs(pr.view(R, G, 1, bs), job.weight(i0, i1, acc), st[..., 0, None, None], st[..., 1, None, None], acc)
         ds = _dsoftmax(torch.bmm(dyt, vs.transpose(1, 2)), st[..., 2].reshape(i1 - i0, M * G, 1), pr)
-        dqa.index_add_(0, job.row_tok[i0 * M:i1 * M], torch.bmm(ds, ks).view(R, G * Dqk))
+        dqa.index_add_(0, job.row_acc[i0 * M:i1 * M], torch.bmm(ds, ks).view(R, G * Dqk))
         _accumulate(dkb, job.tile_blk[i0:i1], torch.bmm(ds.transpose(1, 2), qt), deterministic)
         _accumulate(dvb, job.tile_blk[i0:i1], torch.bmm(pr.transpose(1, 2), dyt), deterministic)
-    tok = job.tok
-    dq[tok] = dqa[:-1].view(T1, N1, Dqk)[tok].mul_(scale).to(dq.dtype)
+    job.write(dq, dqa, scale)
 
 
 def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, deterministic=False):
