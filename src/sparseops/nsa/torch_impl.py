@@ -348,8 +348,9 @@ class _Plan:
         key = torch.where(live, heads * NB + self.base[:, None, None] + self.topk, N2 * NB)
         n = int(live.sum())
         if share != float("inf"):
-            grp = key[tok][live[tok]]
-            per_chunk = torch.unique(cid[:, None, None].expand(n_tok, N2, self.K)[live[tok]] * (N2 * NB) + grp)
+            live_t = live[tok]
+            grp = key[tok][live_t]
+            per_chunk = torch.unique(cid[:, None, None].expand(n_tok, N2, self.K)[live_t] * (N2 * NB) + grp)
             per_call = torch.unique(grp)
             if self.G * n >= share * per_chunk.numel() or per_chunk.numel() < 2 * per_call.numel():
                 return None
