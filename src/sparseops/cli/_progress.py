@@ -2,11 +2,13 @@
 
 On a terminal one line on stderr is redrawn twice a second: ``[3/240 0:42, ~2:10 left] label 12 s``. Anywhere
 else (a pipe, a log file) the first item gets a line when it starts and any item still running after
-``every_s`` seconds gets another, so that a log never stays silent longer than that. Torch-free.
+``every_s`` seconds gets another, so that a log never stays silent longer than that. With ``announce`` every
+item gets a line when it starts (the few long steps of a benchmark). Torch-free.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -29,10 +31,13 @@ class Status:
         stream: where the status goes (default ``sys.stderr``); results go to ``sys.stdout``.
         every_s: on a non-terminal, the interval of the "still running" lines.
         tty: force terminal (True) or log (False) behaviour; default: ``stream.isatty()``.
+        name: a prefix of the status (``[moe 2/7 0:12]``).
+        announce: a line for every item when it starts, not only the first.
     """
 
-    def __init__(self, total: int, *, stream=None, every_s: float = 10.0, tty: bool | None = None):
-        self.total, self.every_s = total, every_s
+    def __init__(self, total: int, *, stream=None, every_s: float = 10.0, tty: bool | None = None,
+                 name: str = "", announce: bool = False):
+        self.total, self.every_s, self.name, self.announce = total, every_s, name, announce
         self.stream = stream if stream is not None else sys.stderr
         if tty is None:
             isatty = getattr(self.stream, "isatty", None)
@@ -49,7 +54,8 @@ class Status:
         self._drawn = False
 
     def _head(self, now: float) -> str:
-        head = f"[{min(self.done + 1, self.total)}/{self.total} {fmt_duration(now - self.t0)}"
+        head = f"[{self.name + ' ' if self.name else ''}{min(self.done + 1, self.total)}/{self.total} " \
+               f"{fmt_duration(now - self.t0)}"
         if self.done >= 3 and self.done < self.total:
             left = (now - self.t0) / self.done * (self.total - self.done)
             head += f", ~{fmt_duration(left)} left"
@@ -89,10 +95,11 @@ class Status:
         """Item ``label`` starts now."""
         with self._lock:
             self.label, self.t_item, self._next_notice = label, time.perf_counter(), self.every_s
+            if self.announce or (self.done == 0 and not self.tty):
+                self._clear()
+                print(f"{self._head(self.t_item)} {label} ...", file=self.stream, flush=True)
             if self.tty:
                 self._draw()
-            elif self.done == 0:
-                print(f"{self._head(self.t_item)} {label} ...", file=self.stream, flush=True)
         if self._thread is None:
             self._thread = threading.Thread(target=self._tick, name="sparseops-status", daemon=True)
             self._thread.start()
@@ -102,6 +109,15 @@ class Status:
         with self._lock:
             self.done += 1
             self.label = None
+
+    @contextlib.contextmanager
+    def step(self, label: str):
+        """``begin(label)`` ... ``end()`` around a block."""
+        self.begin(label)
+        try:
+            yield
+        finally:
+            self.end()
 
     def write(self, line: str) -> None:
         """Print a result line on stdout, under (not through) the status line."""
