@@ -131,11 +131,11 @@ def cpu_flags() -> set[str] | None:
     return None
 
 
-def bf16_matmul_units(fp32_flops: float, bf16_flops: float, flags: set[str] | None = None) -> str | None:
+def bf16_matmul_units(fp32_flops: float, bf16_flops: float, flags: set[str] | None | str = "read") -> str | None:
     """Why the bf16 matmul rate is no floor, or None when it is one: the CPU's flags are known and name no
     bf16 units (x86 ``avx512_bf16`` / ``amx_bf16``, Arm ``bf16``), or bf16 runs below a quarter of the fp32
-    rate (emulated)."""
-    flags = cpu_flags() if flags is None else flags
+    rate (emulated). ``flags``: the CPU's (default: read them; None: unknown)."""
+    flags = cpu_flags() if flags == "read" else flags
     if flags is not None and not flags & {"avx512_bf16", "amx_bf16", "bf16"}:
         return "no bf16 matmul units on this CPU"
     if bf16_flops < fp32_flops / 4:
