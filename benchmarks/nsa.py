@@ -237,7 +237,7 @@ def bench_case(case: dict, floors: dict, naive, *, quick: bool, smoke: bool, fla
             naive = None
         elif dtype != torch.float32 and T > 256 and not smoke:
             # fla computes in fp32 whatever the input dtype: beyond the smallest shape its bf16 time is its
-            # fp32 time again, not worth a minute of the run
+            # fp32 time again, not worth timing twice
             row["fla_skipped"] = "bf16: fla computes in fp32, timed at T=256 only"
             naive = None
     if naive is not None:

@@ -5,7 +5,8 @@ one contract each, autograd, and a CANN-compatible two-phase API in :mod:`sparse
 
 ``import sparseops`` is light: the public names below load their modules (torch, the ops and their
 ``torch.library`` registrations) on first use, so that the ``sparseops`` command answers ``--help`` and
-``--version`` without importing torch.
+``--version`` without importing torch. Code that reaches the custom ops only through ``torch.ops.sparseops``
+(e.g. loading an exported program) imports ``sparseops.moe.api`` / ``sparseops.nsa.api`` first.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def test_fit_shape_that_does_not_fit_returns_1(capsys):
     (["--block-size", "63"], "selected_block_size: expected a multiple of 16, got 63"),
     (["--dv", "256"], "value"),  # Dv > Dqk
     (["--dtype", "fp32", "--block-count", "0"], "selected_block_count"),
-    (["--dqk", "-5"], "Dqk: expected >= 1, got -5"),  # was a traceback from torch.zeros, exit 1
+    (["--dqk", "-5"], "Dqk: expected >= 1, got -5"),  # a negative dim: a usage error, not a traceback
     (["-G", "-1"], "G: expected >= 1, got -1"),
 ])
 def test_fit_bad_shape_is_a_usage_error(args, message, capsys):
