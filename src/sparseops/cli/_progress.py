@@ -9,6 +9,7 @@ item gets a line when it starts (the few long steps of a benchmark). Torch-free.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import sys
 import threading
 import time
@@ -67,7 +68,9 @@ class Status:
     def _draw(self) -> None:
         if self.label is None:
             return
-        self.stream.write("\r\x1b[K" + self._line(time.perf_counter()))
+        # one line only: a wrapped line would not be cleared by the next redraw
+        width = shutil.get_terminal_size().columns - 1
+        self.stream.write("\r\x1b[K" + self._line(time.perf_counter())[:width])
         self.stream.flush()
         self._drawn = True
 
