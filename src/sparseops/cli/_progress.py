@@ -47,7 +47,7 @@ class Status:
         self.done = 0
         self.label: str | None = None
         self.t0 = time.perf_counter()
-        self.t_item = self.t0
+        self.t_item = self.t_last_end = self.t0
         self._next_notice = every_s
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -58,7 +58,8 @@ class Status:
         head = f"[{self.name + ' ' if self.name else ''}{min(self.done + 1, self.total)}/{self.total} " \
                f"{fmt_duration(now - self.t0)}"
         if self.done >= 3 and self.done < self.total:
-            left = (now - self.t0) / self.done * (self.total - self.done)
+            # the mean of the finished items for each one not finished: steady while a long item runs
+            left = (self.t_last_end - self.t0) / self.done * (self.total - self.done)
             head += f", ~{fmt_duration(left)} left"
         return head + "]"
 
@@ -112,6 +113,7 @@ class Status:
         with self._lock:
             self.done += 1
             self.label = None
+            self.t_last_end = time.perf_counter()
 
     @contextlib.contextmanager
     def step(self, label: str):
