@@ -33,7 +33,8 @@ _REPO_HINT = ("The benchmark scripts are part of the source repository, not of t
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--op", choices=(*SUBJECTS, "all"), default="all", help="which benchmark (default all)")
+    parser.add_argument("--op", "--subject", dest="op", choices=(*SUBJECTS, "all"), default="all",
+                        help="which benchmark subject (default all)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
     mode.add_argument("--smoke", action="store_true",
