@@ -57,6 +57,7 @@ else:
     )
 
 from sparseops.cli._progress import Status  # noqa: E402
+from sparseops.cli.info import cpu_model  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------------------------
 # command line
@@ -148,17 +149,6 @@ def _version(dist: str) -> str | None:
         return _md.version(dist)
     except _md.PackageNotFoundError:
         return None
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def git_commit() -> str | None:
