@@ -1,7 +1,7 @@
 """The seed op's compiled CPU kernel (``sparseops._compile``, torch.compile / inductor) against the float64
 reference and against the eager path; its switches and its fallback.
 
-The kernel is taken from ``R * H >= _COMPILED_MIN_ELEMENTS`` elements; these tests lower that threshold to 0 so
+The kernel is taken from ``R * H >= compiled_min_elements`` elements (``torch_impl.SETTINGS``); these tests lower that threshold to 0 so
 that small odd shapes reach it. Each dtype compiles once per process (a few seconds).
 """
 
@@ -28,8 +28,8 @@ SHAPES = [
 
 
 @pytest.fixture
-def compiled(monkeypatch):
-    monkeypatch.setattr(torch_impl, "_COMPILED_MIN_ELEMENTS", 0)
+def compiled(override, monkeypatch):
+    override(torch_impl.SETTINGS, compiled_min_elements=0)
     monkeypatch.delenv("SPARSEOPS_COMPILE", raising=False)
     return torch_impl._unpermute_grad_fused
 
@@ -104,12 +104,12 @@ def test_compiled_kernel_writes_every_output_element(compiled, monkeypatch):
     assert not torch.isnan(ptg).any() and not torch.isnan(pg).any()
 
 
-def test_small_and_float64_calls_stay_eager(monkeypatch):
+def test_small_and_float64_calls_stay_eager(override, monkeypatch):
     kern = torch_impl._unpermute_grad_fused
     before = kern.calls
     g, si, pt, probs = _case(7, 2, 5, None, torch.float32)  # R * H = 70, under the default threshold
     _seed(g, si, pt, probs, None, 2)
-    monkeypatch.setattr(torch_impl, "_COMPILED_MIN_ELEMENTS", 0)
+    override(torch_impl.SETTINGS, compiled_min_elements=0)
     _seed(g.to(F64), si, pt.to(F64), probs.to(F64), None, 2)  # float64: eager
     g1, si1, pt1, p1 = _case(1, 4, 8, None, torch.float32)  # T = 1: inductor would specialise, eager
     _seed(g1, si1, pt1, p1, None, 4)
@@ -130,7 +130,7 @@ def test_compiled_kernel_with_a_probs_dtype_of_its_own(compiled, dtype, probs_dt
     assert_close(pg, want_pg, probs_dtype, name="probs_grad")
 
 
-def test_a_failed_compile_warns_once_and_falls_back(monkeypatch):
+def test_a_failed_compile_warns_once_and_falls_back(override, monkeypatch):
     """No C++ compiler (or any inductor failure): one RuntimeWarning, then the eager path, same results."""
 
     def broken_compile(fn, **kwargs):
@@ -142,7 +142,7 @@ def test_a_failed_compile_warns_once_and_falls_back(monkeypatch):
     monkeypatch.setattr(_compile.torch, "compile", broken_compile)
     kern = _compile.CompiledKernel(torch_impl._unpermute_grad_fused.fn, "test_kernel")
     monkeypatch.setattr(torch_impl, "_unpermute_grad_fused", kern)
-    monkeypatch.setattr(torch_impl, "_COMPILED_MIN_ELEMENTS", 0)
+    override(torch_impl.SETTINGS, compiled_min_elements=0)
     T, K, H, rng = 9, 2, 12, None
     g, si, pt, probs = _case(T, K, H, rng, torch.float32, seed=8)
     with pytest.warns(RuntimeWarning, match="test_kernel failed for dtypes .*no C\\+\\+ compiler found"):
@@ -206,14 +206,14 @@ def test_compiled_kernel_under_autograd_and_inference_mode(compiled):
     assert torch.equal(got[0], dx)
 
 
-def test_each_dtype_has_its_own_recompile_budget(monkeypatch):
+def test_each_dtype_has_its_own_recompile_budget(override, monkeypatch):
     """With dynamo's recompile limit at 1, fp32 then bf16 calls both compile: each dtype combination gets its
     own code object (its own cache), so one dtype never uses up another's budget."""
     import torch._dynamo
 
     kern = _compile.CompiledKernel(torch_impl._unpermute_grad_fused.fn, "budget_test")
     monkeypatch.setattr(torch_impl, "_unpermute_grad_fused", kern)
-    monkeypatch.setattr(torch_impl, "_COMPILED_MIN_ELEMENTS", 0)
+    override(torch_impl.SETTINGS, compiled_min_elements=0)
     for i, dtype in enumerate((torch.float32, torch.bfloat16)):
         g, si, pt, probs = _case(11, 2, 24, None, dtype, seed=12)
         with warnings.catch_warnings(), torch._dynamo.config.patch(recompile_limit=1):
@@ -251,8 +251,8 @@ KSUM_SHAPES = [
 
 
 @pytest.fixture
-def ksum(monkeypatch):
-    monkeypatch.setattr(torch_impl, "_COMPILED_MIN_ELEMENTS", 0)
+def ksum(override, monkeypatch):
+    override(torch_impl.SETTINGS, compiled_min_elements=0)
     monkeypatch.delenv("SPARSEOPS_COMPILE", raising=False)
     return torch_impl._sum_over_k_fused
 

@@ -274,9 +274,9 @@ def test_repeated_calls_are_bitwise_identical(dtype):
         assert torch.equal(a[name], b[name]), name
 
 
-def test_chunked_paths_match_reference(monkeypatch):
+def test_chunked_paths_match_reference(override):
     """Shrink the chunk so that every loop runs many chunks with a ragged tail."""
-    monkeypatch.setattr(torch_impl, "_CHUNK_BYTES", 1)
+    override(torch_impl.SETTINGS, chunk_bytes=1)
     for dtype in (F64, torch.bfloat16):
         d = _inputs(40, 3, 5, dtype=dtype)
         ex = _extra(40, 3, 5, dtype=dtype)
@@ -322,11 +322,11 @@ class _PoisonedTorch:
 @pytest.mark.parametrize("rng", [pytest.param(None, id="full"), pytest.param([3, 100], id="partial"),
                                  pytest.param([50, 50], id="empty")])
 @pytest.mark.parametrize("dtype", [pytest.param(F64, id="float64"), pytest.param(torch.bfloat16, id="bfloat16")])
-def test_poisoned_buffers_are_fully_written(monkeypatch, rng, dtype):
+def test_poisoned_buffers_are_fully_written(override, monkeypatch, rng, dtype):
     """Every buffer torch_impl allocates without initialising starts as NaN: an element that no code path
     writes shows up as NaN in the outputs."""
     monkeypatch.setattr(torch_impl, "torch", _PoisonedTorch())
-    monkeypatch.setattr(torch_impl, "_CHUNK_BYTES", 64)  # many chunks, ragged tail
+    override(torch_impl.SETTINGS, chunk_bytes=64)  # many chunks, ragged tail
     d = _inputs(40, 3, 5, dtype=dtype)
     ex = _extra(40, 3, 5, dtype=dtype)
     got, want = _torch_and_float64_reference(d, ex, rng)
@@ -335,7 +335,7 @@ def test_poisoned_buffers_are_fully_written(monkeypatch, rng, dtype):
         assert_close(got[name], want[name], got[name].dtype, name=name)
 
 
-def test_huge_page_advice_changes_no_value(monkeypatch):
+def test_huge_page_advice_changes_no_value(override, monkeypatch):
     """With every output advised ``MADV_HUGEPAGE`` (threshold 1 byte) the results are bitwise those without
     advice, and the advice is actually given on Linux."""
     import sys
@@ -352,15 +352,15 @@ def test_huge_page_advice_changes_no_value(monkeypatch):
         return 0
 
     monkeypatch.setattr(torch_impl, "_madvise", counting)
-    monkeypatch.setattr(torch_impl, "_HUGE_MIN_BYTES", 1)
-    monkeypatch.setattr(torch_impl, "_PAGE", 64)  # small test buffers hold whole "pages"
+    override(torch_impl.SETTINGS, huge_min_bytes=1)
+    override(torch_impl.SETTINGS, page_bytes=64)  # small test buffers hold whole "pages"
     advised = _chain("torch", d, [3, 100], 0, True, ex)
     for name in plain:
         assert torch.equal(plain[name], advised[name]), name
     assert calls
     # the real advice on a real 4 MiB buffer: the tensor is usable and holds what is written
     monkeypatch.setattr(torch_impl, "_madvise", torch_impl._load_madvise())
-    monkeypatch.setattr(torch_impl, "_PAGE", 4096)
+    override(torch_impl.SETTINGS, page_bytes=4096)
     x = torch_impl._empty_rows(1024, 1024, torch.float32, torch.device("cpu"))
     assert x.shape == (1024, 1024) and x.dtype == torch.float32
     x.fill_(2.5)
@@ -372,10 +372,10 @@ def test_huge_page_advice_changes_no_value(monkeypatch):
 @pytest.mark.parametrize("fraction", [0.0, 2.0], ids=["walk-all-slots", "live-slots-only"])
 @pytest.mark.parametrize("rng", [None, [5, 40], [30, 31], [-9, -9]], ids=["full", "partial", "one-row", "empty"])
 @pytest.mark.parametrize("with_probs", [True, False], ids=["probs", "no-probs"])
-def test_both_k_sum_paths_match_reference(monkeypatch, fraction, rng, with_probs):
+def test_both_k_sum_paths_match_reference(override, fraction, rng, with_probs):
     """unpermute and permute_grad sum over k either by walking every slot or by gathering live slots only
     (chosen by the live share); force each path on every window and compare with the float64 oracle."""
-    monkeypatch.setattr(torch_impl, "_SPARSE_FRACTION", fraction)
+    override(torch_impl.SETTINGS, sparse_fraction=fraction)
     d = make_moe_inputs(11, 5, 7, num_experts=6, dtype=torch.float64, seed=3)
     probs = d["probs"].clone()
     probs[2, 1] = 0.0  # a zero prob is skipped on both paths
