@@ -102,12 +102,12 @@ def _opcheck_args(name):
 
     si = torch_impl.sorted_indices_from(d["indices"])
     if name == "moe_permute":
-        return (d["tokens"], si, d["probs"], 2, 1, 9, "torch")
+        return (d["tokens"], si, d["probs"], 2, 1, 9, "torch", False)
     if name == "moe_unpermute":
-        return (torch.randn(8, 3), si, d["probs"], 2, 1, 9, "torch")
+        return (torch.randn(8, 3), si, d["probs"], 2, 1, 9, "torch", False)
     if name == "moe_unpermute_grad":
-        return (torch.randn(5, 3), si, torch.randn(8, 3), d["probs"], 2, 1, 9, "torch")
-    return (torch.randn(8, 3), si, torch.randn(8), 2, 1, 9, "torch")
+        return (torch.randn(5, 3), si, torch.randn(8, 3), d["probs"], 2, 1, 9, "torch", False)
+    return (torch.randn(8, 3), si, torch.randn(8), 2, 1, 9, "torch", False)
 
 
 def test_double_backward_is_a_clear_error():

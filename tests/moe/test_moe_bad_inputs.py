@@ -184,21 +184,19 @@ def test_triton_on_cpu_is_a_clear_error():
 
 
 def _without_triton_module(monkeypatch):
-    """``from . import triton_impl`` in ``sparseops.moe.api`` fails, even after another test imported it."""
+    """``from .moe import triton_impl`` in ``sparseops._backend`` fails, even after another test imported it."""
     import sparseops.moe
-    from sparseops.moe import api
 
     monkeypatch.setitem(sys.modules, "sparseops.moe.triton_impl", None)
     monkeypatch.delattr(sparseops.moe, "triton_impl", raising=False)
-    monkeypatch.setattr(api, "_BACKEND_MODULES", {k: v for k, v in api._BACKEND_MODULES.items() if k != "triton"})
 
 
 def test_missing_triton_module_is_a_clear_error(monkeypatch):
-    from sparseops.moe import api
+    from sparseops import _backend
 
     _without_triton_module(monkeypatch)
     with pytest.raises(ValueError, match="backend: 'triton'"):
-        api._backend_module("triton")
+        _backend.module("moe", "triton")
 
 
 def test_empty_tokens_are_legal():
@@ -216,12 +214,11 @@ def test_empty_tokens_are_legal():
 
 
 def test_auto_falls_back_to_torch_when_the_triton_module_is_missing(monkeypatch):
-    from sparseops import _checks
-    from sparseops.moe import api
+    from sparseops import _backend, _checks
 
     _without_triton_module(monkeypatch)
     monkeypatch.setattr(_checks, "resolve_backend", lambda backend, device: "triton" if backend == "auto" else backend)
     d = _good()
-    assert api._check_backend("auto", d["grad"]) == "torch"
+    assert _backend.resolve("moe", "auto", d["grad"].device) == ("torch", False)
     with pytest.raises(ValueError, match="backend: 'triton'"):
-        api._check_backend("triton", d["grad"])
+        _backend.resolve("moe", "triton", d["grad"].device)

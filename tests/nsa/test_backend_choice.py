@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from sparseops import _checks
-from sparseops.nsa import api
+from sparseops import _backend, _checks
 
 
 @pytest.fixture
@@ -15,15 +14,15 @@ def triton_importable(monkeypatch):
 @pytest.mark.parametrize(
     "device, dtype, expected",
     [
-        ("cpu", torch.float32, "torch"),
-        ("cuda", torch.bfloat16, api.AUTO_TRITON),
-        ("cuda", torch.float32, api.AUTO_TRITON),
-        ("cuda", torch.float64, "torch"),  # the kernels take fp32/fp16/bf16; float64 is a testing dtype
+        ("cpu", torch.float32, ("torch", False)),
+        ("cuda", torch.bfloat16, ("triton", True)),  # True: auto chose Triton (a kernel that does not fit: torch)
+        ("cuda", torch.float32, ("triton", True)),
+        ("cuda", torch.float64, ("torch", False)),  # the kernels take fp32/fp16/bf16; float64 is a testing dtype
     ],
     ids=["cpu", "cuda-bf16", "cuda-fp32", "cuda-fp64-falls-back"],
 )
 def test_auto_backend(triton_importable, device, dtype, expected):
-    assert api._resolve_backend("auto", torch.device(device), dtype) == expected
+    assert _backend.resolve("nsa", "auto", torch.device(device), dtype) == expected
 
 
 def test_launch_metadata_reaches_the_device_without_a_blocking_copy(monkeypatch):
