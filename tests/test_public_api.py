@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 SIGNATURES = {
     "moe_token_permute_with_ep": (
         ["tokens", "indices", "probs", "range", "num_out_tokens", "padded_mode"],
-        ["backend", "validate"],
+        ["num_experts", "backend", "validate"],
     ),
     "moe_token_unpermute_with_ep": (
         ["permuted_tokens", "sorted_indices", "probs", "topk_num", "range", "padded_mode", "restore_shape"],

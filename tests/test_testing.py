@@ -55,10 +55,19 @@ def test_unknown_pattern_or_bad_window_is_an_error():
 
 def test_builders_refuse_different_sequence_counts():
     # zip() would silently have dropped the third query sequence
-    with pytest.raises(ValueError, match=r"seqlens_kv: expected as many sequences as seqlens_q \(3\), got 2"):
+    with pytest.raises(ValueError, match=r"seq_lens_kv: expected as many sequences as seq_lens_q \(3\), got 2"):
         make_topk_indices([4, 5, 6], [4, 5], 1, 1, 16)
-    with pytest.raises(ValueError, match="seqlens_kv"):
+    with pytest.raises(ValueError, match="seq_lens_kv"):
         make_nsa_inputs([4, 5, 6], [4, 5])
+
+
+def test_builders_take_per_sequence_lengths_the_ops_cumulative_ones():
+    # the builders' seq_lens_* are lengths; the ops' actual_seq_*len are their running sums (CANN's form)
+    a = make_nsa_inputs(seq_lens_q=[3, 5], seq_lens_kv=[16, 40], bs=16)
+    assert a["actual_seq_qlen"] == [3, 8] and a["actual_seq_kvlen"] == [16, 56]
+    idx = make_topk_indices(seq_lens_q=[3, 5], seq_lens_kv=[16, 40], N2=1, K=3, bs=16, causal=False)
+    assert idx.shape == (8, 1, 3)
+    assert (idx[:3] <= 0).all() and (idx[3:] < 3).all()  # 1 block in sequence 0, 3 in sequence 1
 
 
 def test_rel_rms_error_non_finite():

@@ -10,7 +10,8 @@ Choices where the contract is silent (docs/moe.md):
 
 - ``padded_mode=True`` raises ``NotImplementedError`` naming ``padded_mode``.
 - float64 tokens / probs are accepted (for ``torch.autograd.gradcheck``); math is then float64.
-- ``probs`` and ``topk_num`` both given: ``K = probs.shape[1]`` and ``topk_num`` is only type-checked.
+- ``probs`` and ``topk_num`` both given: ``K = probs.shape[1]``; ``topk_num`` must be 1 (the default, as in CANN's
+  example) or equal K, any other value is a contradiction (``ValueError``).
 - ``indices`` of shape ``[T]`` means K = 1; ``probs`` may then be ``[T]`` or ``[T, 1]``.
 - ``range`` is a list / tuple of two ints, or a 1-D integer tensor with two elements (not under
   ``torch.compile``: its values decide the output's row count; a clear ``TypeError`` says so).
@@ -180,6 +181,7 @@ def moe_token_permute_with_ep(
     num_out_tokens: int = 0,
     padded_mode: bool = False,
     *,
+    num_experts: int | None = None,
     backend: str = "auto",
     validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -204,9 +206,12 @@ def moe_token_permute_with_ep(
         num_out_tokens: only when ``range`` is None: 0 keeps all N rows, ``n > 0`` the first ``min(n, N)``,
             ``n < 0`` drops ``|n|`` rows from the tail.
         padded_mode: only ``False`` is supported (``True`` raises ``NotImplementedError``).
+        num_experts: optional expert count E; when given, every id must be ``< E`` (checked with the other index
+            values, before anything is computed).
         backend: ``"auto"`` (triton for CUDA tensors when it imports, else torch), ``"torch"``, ``"triton"``
             or ``"reference"``.
-        validate: check index values (``indices >= 0``); skipped when traced by ``torch.compile``.
+        validate: check index values (``indices >= 0``, ``< num_experts``); skipped when traced by
+            ``torch.compile``.
 
     Returns:
         ``(permuted_tokens, sorted_indices, permuted_probs)``: `[R, H]` tokens.dtype with ``R = e - s``;
@@ -218,7 +223,7 @@ def moe_token_permute_with_ep(
         NotImplementedError: ``padded_mode=True``.
     """
     tokens, indices, probs, K, s, e = check_permute_args(tokens, indices, probs, range, num_out_tokens, padded_mode,
-                                                         validate)
+                                                         validate, num_experts)
     name, auto = _resolve(backend, tokens, indices, probs)
     if name == "triton" and not torch.compiler.is_compiling():
         mod = _backend.module("moe", name)
@@ -243,6 +248,9 @@ def moe_token_unpermute_with_ep(
 ) -> torch.Tensor:
     """Gather each token's K expert outputs from the window ``[s, e)`` and add them, weighted by ``probs``.
 
+    Without ``range`` the window is ``[0, R)`` with R the rows of ``permuted_tokens``, whatever window the permute
+    used: after ``moe_token_permute_with_ep(..., range=[s, e])`` pass the same ``range`` here.
+
     For every token t, in k order, over valid slots ``i = t*K + k`` (``s <= v < e``, ``v = sorted_indices[i]``)::
 
         out[t] = sum_k probs[t, k] * permuted_tokens[v - s]      (no probs: plain sum)
@@ -258,7 +266,8 @@ def moe_token_unpermute_with_ep(
         permuted_tokens: `[R, H]` float32 / float16 / bfloat16 / float64, ``R = e - s``.
         sorted_indices: `[N]` int32 / int64 slot -> row map (a permutation of ``[0, N)``), ``N = T*K``.
         probs: optional `[T, K]` weights, any float dtype; when given, ``K = probs.shape[1]``.
-        topk_num: K when ``probs`` is None (``1 <= K <= 512``); ignored (but type-checked) otherwise.
+        topk_num: K when ``probs`` is None (``1 <= K <= 512``); with probs, 1 (the default) or
+            ``probs.shape[1]``: any other value contradicts probs and raises ``ValueError``.
         range: ``None`` (``[0, rows of permuted_tokens)``) or ``[s, e]``, normalised as in
             :func:`moe_token_permute_with_ep`.
         padded_mode: only ``False`` is supported.
@@ -294,6 +303,9 @@ def moe_token_unpermute_with_ep_grad(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Backward of :func:`moe_token_unpermute_with_ep` (CANN ``MoeTokenUnpermuteWithEpGrad``).
 
+    Without ``range`` the window is ``[0, R)`` with R the rows of ``permuted_tokens`` (``[0, N)`` without it),
+    whatever window the permute used: pass the forward's ``range``.
+
     For every valid slot ``i = t*K + k`` (``s <= v < e``, ``v = sorted_indices[i]``)::
 
         permuted_tokens_grad[v - s] = grad[t] * probs[t, k]                      (no probs: grad[t], exact copy)
@@ -313,7 +325,8 @@ def moe_token_unpermute_with_ep_grad(
         padded_mode: only ``False`` is supported.
         restore_shape: ``None`` or ``(T, H)`` (checked, otherwise unused).
         range: ``None`` (``[0, rows of permuted_tokens)``, or ``[0, N)`` without it) or ``[s, e]``.
-        topk_num: K when ``probs`` is None (``1 <= K <= 512``).
+        topk_num: K when ``probs`` is None (``1 <= K <= 512``); with probs, 1 (the default) or
+            ``probs.shape[1]``: any other value contradicts probs and raises ``ValueError``.
         backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"reference"``.
         validate: check that ``sorted_indices`` is a permutation; skipped when traced by ``torch.compile``.
 

@@ -76,6 +76,35 @@ def _check_topk(name: str, K) -> int:
     return check_int(name, K, lo=1, hi=K_MAX)
 
 
+def _topk_of(topk_num: int, probs_k: int | None) -> int:
+    """K from ``topk_num`` and, when probs are given, their ``K = probs.shape[1]``. With probs, ``topk_num`` 1 (the
+    default, and what CANN's own example passes) defers to probs; any other value must equal it: a different one
+    is a contradiction, not a choice."""
+    if probs_k is None:
+        return topk_num
+    if topk_num not in (1, probs_k):
+        raise ValueError(
+            f"topk_num: expected 1 (the default) or K = probs.shape[1] = {probs_k} (the top-k of probs), "
+            f"got {topk_num}"
+        )
+    return probs_k
+
+
+def check_num_experts(indices: torch.Tensor, num_experts, validate: bool) -> int | None:
+    """``num_experts``: None or an int ``>= 1``; when given, every expert id of ``indices`` is below it."""
+    if num_experts is None:
+        return None
+    num_experts = check_int("num_experts", num_experts, lo=1)
+    if _checks.data_checks(validate, indices):
+        hi = int(indices.max())
+        if hi >= num_experts:
+            bad = torch.nonzero(indices.reshape(indices.shape[0], -1) == hi)[0].tolist()
+            raise ValueError(
+                f"indices: expected expert ids < num_experts = {num_experts}, got {hi} at {bad}"
+            )
+    return num_experts
+
+
 def _check_float(name: str, t, ndim) -> torch.Tensor:
     return check_tensor(name, t, ndim=ndim, dtypes=TOKEN_DTYPES)
 
@@ -127,7 +156,7 @@ def _check_restore_shape(restore_shape, T: int, H: int) -> None:
         raise ValueError(f"restore_shape: expected None or the output shape (T={T}, H={H}), got {got!r}")
 
 
-def check_permute_args(tokens, indices, probs, range, num_out_tokens, padded_mode, validate=True):
+def check_permute_args(tokens, indices, probs, range, num_out_tokens, padded_mode, validate=True, num_experts=None):
     """Validate ``moe_token_permute_with_ep``'s arguments; returns ``(tokens, indices, probs [T, K] or None,
     K, s, e)``."""
     check_bool("validate", validate)
@@ -159,6 +188,7 @@ def check_permute_args(tokens, indices, probs, range, num_out_tokens, padded_mod
         lo = int(indices.min())
         if lo < 0:
             raise ValueError(f"indices: expected expert ids >= 0, got min {lo}")
+    check_num_experts(indices, num_experts, validate)
     return tokens, indices, probs, K, s, e
 
 
@@ -174,9 +204,10 @@ def check_unpermute_args(permuted_tokens, sorted_indices, probs, topk_num, range
         _check_float("probs", probs, 2)
         T, K = probs.shape
         check_int("probs.shape[1] (K)", K, lo=1, hi=K_MAX)
+        _topk_of(topk_num, K)
         N = _check_sorted_indices(sorted_indices, T, K, validate, T_from="T, K from probs")
     else:
-        K = topk_num
+        K = _topk_of(topk_num, None)
         N = _check_sorted_indices(sorted_indices, None, K, validate, T_from="K = topk_num")
         T = N // K
     H = permuted_tokens.shape[1]
@@ -195,11 +226,11 @@ def check_unpermute_grad_args(unpermuted_tokens_grad, sorted_indices, permuted_t
     _check_padded_mode(padded_mode)
     grad = _check_float("unpermuted_tokens_grad", unpermuted_tokens_grad, 2)
     T, H = grad.shape
-    topk_num = _check_topk("topk_num", topk_num)
-    K = topk_num
+    K = topk_num = _check_topk("topk_num", topk_num)
     if probs is not None:
         _check_float("probs", probs, 2)
         K = check_int("probs.shape[1] (K)", probs.shape[1], lo=1, hi=K_MAX)
+        _topk_of(topk_num, K)
         if probs.shape[0] != T:
             raise ValueError(f"probs: expected shape [T={T}, K] (T from unpermuted_tokens_grad), got {fmt_shape(probs.shape)}")
         if permuted_tokens is None:
@@ -210,7 +241,7 @@ def check_unpermute_grad_args(unpermuted_tokens_grad, sorted_indices, permuted_t
     N = _check_sorted_indices(sorted_indices, T, K, validate,
                               T_from="T from unpermuted_tokens_grad, K from " + ("probs" if probs is not None else "topk_num"))
     check_same_device(unpermuted_tokens_grad=grad, sorted_indices=sorted_indices, permuted_tokens=permuted_tokens,
-                  probs=probs)
+                      probs=probs)
     s, e = normalize_range(range, N, N if permuted_tokens is None else min(permuted_tokens.shape[0], N))
     if permuted_tokens is not None:
         _check_rows("permuted_tokens", permuted_tokens, e - s, H, s, e)
