@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
+import torch
 
 
 @pytest.fixture
@@ -16,3 +17,24 @@ def override():
     """
     with contextlib.ExitStack() as stack:
         yield lambda settings, **knobs: stack.enter_context(settings.override(**knobs))
+
+
+def _dense(t):
+    return t.to_dense() if t.layout != torch.strided else t
+
+
+@pytest.fixture
+def untouched():
+    """``check = untouched(tensors)`` copies a mapping's tensors now; ``check()`` later asserts that none was written
+    (sparse ones compared densely): a failing call must leave the caller's tensors as they were."""
+
+    def snapshot(tensors: dict):
+        before = {k: v.clone() for k, v in tensors.items() if isinstance(v, torch.Tensor)}
+
+        def check():
+            for k, v in before.items():
+                assert torch.equal(_dense(tensors[k]), _dense(v)), f"caller tensor {k} was modified"
+
+        return check
+
+    return snapshot

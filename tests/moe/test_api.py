@@ -141,3 +141,11 @@ def test_compiled_function_calling_a_grad_op_on_inputs_that_require_grad():
         res.append((out.detach(), tg.detach(), t.grad))
     for name, x, y in zip(("out", "tg", "tokens.grad"), *res):
         assert_close(y, x, torch.float32, name=name)
+
+
+def test_one_dim_indices_mean_k1():
+    d = make_moe_inputs(7, 1, 5, dtype=torch.float64)
+    a = moe_token_permute_with_ep(d["tokens"], d["indices"][:, 0], d["probs"][:, 0], backend="torch")
+    b = moe_token_permute_with_ep(d["tokens"], d["indices"], d["probs"], backend="torch")
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
