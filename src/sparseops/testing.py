@@ -1,6 +1,6 @@
 """Test and benchmark helpers: the one tolerance table, a verbose comparison, input builders.
 
-Tolerances (spec/nsa.md §5) are relative RMS errors against a float64 reference computed from the
+Tolerances (docs/nsa.md) are relative RMS errors against a float64 reference computed from the
 same inputs. They are used for every op, MoE and NSA, and never tuned per test.
 """
 

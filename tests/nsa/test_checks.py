@@ -126,7 +126,7 @@ def test_validate_false_skips_the_block_id_check_only():
     a = _base()
     _topk_val(15, 0, 1, 3)(a)
     a["validate"] = False
-    out, m, l = _call_fwd(a)  # the out-of-range slot is ignored (undefined behaviour per spec, here masked)
+    out, m, l = _call_fwd(a)  # the out-of-range slot is ignored (undefined behaviour per docs/nsa.md, here masked)
     assert torch.isfinite(out).all()
     _set(head_num=2)(a)
     with pytest.raises(ValueError, match="head_num"):

@@ -32,7 +32,7 @@ _check_args = check_args
 
 def _autocast_off(device_type: str):
     """The ops compute in their inputs' dtypes with fp32 accumulation: an enclosing ``torch.autocast`` must not
-    re-type the matmuls inside them (on the CPU it made ``bmm(..., out=fp32)`` fail)."""
+    re-type the matmuls inside them (on the CPU, ``bmm(..., out=fp32)`` of re-typed inputs fails)."""
     if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
