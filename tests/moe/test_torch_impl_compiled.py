@@ -1,8 +1,8 @@
 """The seed op's compiled CPU kernel (``sparseops._compile``, torch.compile / inductor) against the float64
 reference and against the eager path; its switches and its fallback.
 
-The kernel is taken from ``R * H >= compiled_min_elements`` elements (``torch_impl.SETTINGS``); these tests lower that threshold to 0 so
-that small odd shapes reach it. Each dtype compiles once per process (a few seconds).
+The kernel is taken from ``R * H >= compiled_min_elements`` elements (``torch_impl.SETTINGS``); these tests
+lower that threshold to 0 so that small odd shapes reach it. Each dtype compiles once per process (a few seconds).
 """
 
 import warnings

@@ -158,9 +158,9 @@ def test_deterministic_none_follows_the_switches(monkeypatch):
     seen = []
     real = torch_impl.backward
 
-    def spy(*args, deterministic=False):
+    def spy(*args, deterministic=False, **kw):  # the dispatcher passes every argument by keyword
         seen.append(deterministic)
-        return real(*args, deterministic=deterministic)
+        return real(*args, deterministic=deterministic, **kw)
 
     monkeypatch.setattr(torch_impl, "backward", spy)
     a = _inputs(CASES[5], torch.float32)
