@@ -38,7 +38,7 @@ CASES = [
 ]
 
 
-def _inputs(T, K, H, dtype=F64, probs_dtype=None, index_dtype=torch.int32, seed=0):
+def _moe_inputs(T, K, H, dtype=F64, probs_dtype=None, index_dtype=torch.int32, seed=0):
     dup = K == 3  # the duplicate-experts case draws ids with repeats within a token
     return make_moe_inputs(T, K, H, num_experts=max(8, K + 1) if not dup else 2, dtype=dtype,
                            probs_dtype=probs_dtype, index_dtype=index_dtype, seed=seed, distinct_experts=not dup)
@@ -96,7 +96,7 @@ def _extra(T, K, H, dtype=F64, seed=1):
 
 @pytest.mark.parametrize("T,K,H,rng,num_out,with_probs,index_dtype", CASES)
 def test_torch_matches_reference_float64(T, K, H, rng, num_out, with_probs, index_dtype):
-    d = _inputs(T, K, H, index_dtype=index_dtype)
+    d = _moe_inputs(T, K, H, index_dtype=index_dtype)
     extra = _extra(T, K, H)
     got = _chain("torch", d, rng, num_out, with_probs, extra)
     want = _chain("reference", d, rng, num_out, with_probs, extra)
@@ -122,7 +122,7 @@ def _window(T, K, rng, num_out):
 @pytest.mark.parametrize("T,K,H,rng,num_out,with_probs,index_dtype", CASES)
 def test_permute_rows_and_shapes(T, K, H, rng, num_out, with_probs, index_dtype):
     """R = e - s rows; the no-probs and with-probs permute rows are bitwise copies of token rows."""
-    d = _inputs(T, K, H, index_dtype=index_dtype)
+    d = _moe_inputs(T, K, H, index_dtype=index_dtype)
     s, e = _window(T, K, rng, num_out)
     pt, si, pp = moe_token_permute_with_ep(d["tokens"], d["indices"], d["probs"] if with_probs else None, rng,
                                            num_out, backend="torch")
@@ -176,7 +176,7 @@ DTYPE_PAIRS = [pytest.param(a, b, id=f"tokens-{str(a)[6:]}-probs-{str(b)[6:]}") 
 @pytest.mark.parametrize("dtype,probs_dtype", DTYPE_PAIRS)
 def test_dtype_pairs_against_float64_reference(dtype, probs_dtype):
     T, K, H, rng = 33, 4, 96, [10, 120]
-    d = _inputs(T, K, H, dtype=dtype, probs_dtype=probs_dtype, seed=5)
+    d = _moe_inputs(T, K, H, dtype=dtype, probs_dtype=probs_dtype, seed=5)
     extra = _extra(T, K, H, dtype=dtype, seed=6)
     extra["w_pp"] = extra["w_pp"].to(probs_dtype)
     got, want = _torch_and_float64_reference(d, extra, rng)
@@ -188,7 +188,7 @@ def test_dtype_pairs_against_float64_reference(dtype, probs_dtype):
 
 
 def test_no_probs_paths_are_exact_copies():
-    d = _inputs(33, 8, 96, dtype=torch.bfloat16)
+    d = _moe_inputs(33, 8, 96, dtype=torch.bfloat16)
     pt, si, _ = moe_token_permute_with_ep(d["tokens"], d["indices"], None, [5, 200], backend="torch")
     g = torch.randn(33, 96).to(torch.bfloat16)
     ptg, pg = moe_token_unpermute_with_ep_grad(g, si, None, None, range=[5, 200], topk_num=8, backend="torch")
@@ -198,14 +198,14 @@ def test_no_probs_paths_are_exact_copies():
     assert torch.equal(pt, d["tokens"][inv[5:200] // 8])
     assert torch.equal(ptg, g[inv[5:200] // 8])
     # K = 1 unpermute without probs is the inverse permutation, exactly
-    d1 = _inputs(7, 1, 5, dtype=torch.float16)
+    d1 = _moe_inputs(7, 1, 5, dtype=torch.float16)
     pt1, si1, _ = moe_token_permute_with_ep(d1["tokens"], d1["indices"], backend="torch")
     assert torch.equal(moe_token_unpermute_with_ep(pt1, si1, backend="torch"), d1["tokens"])
 
 
 def test_zero_prob_rows_never_leak_inf_or_nan():
     T, K, H = 7, 2, 5
-    d = _inputs(T, K, H, dtype=torch.float32)
+    d = _moe_inputs(T, K, H, dtype=torch.float32)
     probs = d["probs"].clone()
     probs[3, 1] = 0.0
     pt, si, _ = moe_token_permute_with_ep(d["tokens"], d["indices"], probs, backend="torch")
@@ -234,7 +234,7 @@ def test_non_finite_prob_of_a_slot_outside_the_window_is_never_read(bad):
 
 
 def test_tokens_without_valid_slot_get_zeros_not_nan():
-    d = _inputs(7, 2, 5, dtype=torch.float32)
+    d = _moe_inputs(7, 2, 5, dtype=torch.float32)
     pt, si, _ = moe_token_permute_with_ep(d["tokens"], d["indices"], d["probs"], [4, 4], backend="torch")
     assert pt.shape == (0, 5)
     out = moe_token_unpermute_with_ep(pt, si, d["probs"], range=[4, 4], backend="torch")
@@ -248,7 +248,7 @@ def test_tokens_without_valid_slot_get_zeros_not_nan():
 @pytest.mark.parametrize("dtype", [pytest.param(d, id=str(d)[6:]) for d in DTYPES])
 def test_repeated_calls_are_bitwise_identical(dtype):
     T, K, H, rng = 33, 8, 96, [7, 250]
-    d = _inputs(T, K, H, dtype=dtype)
+    d = _moe_inputs(T, K, H, dtype=dtype)
     ex = _extra(T, K, H, dtype=dtype)
     a = _chain("torch", d, rng, 0, True, ex)
     b = _chain("torch", d, rng, 0, True, ex)
@@ -260,7 +260,7 @@ def test_chunked_paths_match_reference(override):
     """Shrink the chunk so that every loop runs many chunks with a ragged tail."""
     override(torch_impl.SETTINGS, chunk_bytes=1)
     for dtype in (F64, torch.bfloat16):
-        d = _inputs(40, 3, 5, dtype=dtype)
+        d = _moe_inputs(40, 3, 5, dtype=dtype)
         ex = _extra(40, 3, 5, dtype=dtype)
         got = _chain("torch", d, [3, 100], 0, True, ex)
         up = {k: (v.to(F64) if v.is_floating_point() else v) for k, v in d.items()}
@@ -271,7 +271,7 @@ def test_chunked_paths_match_reference(override):
 
 
 def test_non_contiguous_inputs():
-    d = _inputs(7, 2, 10)
+    d = _moe_inputs(7, 2, 10)
     tokens = d["tokens"][:, ::2]
     probs = d["probs"].t().contiguous().t()
     got = moe_token_permute_with_ep(tokens, d["indices"], probs, [2, 12], backend="torch")
@@ -309,7 +309,7 @@ def test_poisoned_buffers_are_fully_written(override, monkeypatch, rng, dtype):
     writes shows up as NaN in the outputs."""
     monkeypatch.setattr(torch_impl, "torch", _PoisonedTorch())
     override(torch_impl.SETTINGS, chunk_bytes=64)  # many chunks, ragged tail
-    d = _inputs(40, 3, 5, dtype=dtype)
+    d = _moe_inputs(40, 3, 5, dtype=dtype)
     ex = _extra(40, 3, 5, dtype=dtype)
     got, want = _torch_and_float64_reference(d, ex, rng)
     for name in want:
@@ -322,7 +322,7 @@ def test_huge_page_advice_changes_no_value(override, monkeypatch):
     advice, and the advice is actually given on Linux."""
     import sys
 
-    d = _inputs(40, 3, 70, dtype=torch.bfloat16)
+    d = _moe_inputs(40, 3, 70, dtype=torch.bfloat16)
     ex = _extra(40, 3, 70, dtype=torch.bfloat16)
     monkeypatch.setattr(torch_impl, "_madvise", None)
     plain = _chain("torch", d, [3, 100], 0, True, ex)

@@ -22,7 +22,7 @@ CASES = [
 ]
 
 
-def _inputs(case, dtype, seed=0):
+def _case_inputs(case, dtype, seed=0):
     _, sq, skv, N1, N2, Dqk, Dv, bs, K, causal, ef, dup = case
     return make_nsa_inputs(sq, skv, N1=N1, N2=N2, Dqk=Dqk, Dv=Dv, bs=bs, K=K, dtype=dtype, causal=causal,
                            empty_frac=ef, duplicates=dup, seed=seed)
@@ -46,7 +46,7 @@ def _split(a):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_torch_matches_reference(case, dtype):
-    a = _inputs(case, dtype)
+    a = _case_inputs(case, dtype)
     q, k, v, kw = _split(a)
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     out, m, l = sparseops.nsa_selected_attention(q, k, v, backend="torch", **kw)
@@ -64,7 +64,7 @@ def test_torch_matches_reference(case, dtype):
 
 
 def test_float64_inputs_give_float64_stats():
-    a = _inputs(CASES[0], torch.float64)
+    a = _case_inputs(CASES[0], torch.float64)
     q, k, v, kw = _split(a)
     out, m, l = sparseops.nsa_selected_attention(q, k, v, **kw)
     r_out, r_m, r_l, *_ = _ref(a, torch.zeros_like(out))
@@ -74,7 +74,7 @@ def test_float64_inputs_give_float64_stats():
 
 
 def test_stat_lanes_equal_and_not_differentiable():
-    q, k, v, kw = _split(_inputs(CASES[0], torch.float32))
+    q, k, v, kw = _split(_case_inputs(CASES[0], torch.float32))
     q.requires_grad_()
     out, m, l = sparseops.nsa_selected_attention(q, k, v, **kw)
     assert m.shape == l.shape == (q.shape[0], q.shape[1], 8)
@@ -102,7 +102,7 @@ def test_rows_with_no_visible_key():
 
 @pytest.mark.parametrize("backend", ["torch", "reference"])
 def test_seed_op_equals_autograd(backend):
-    a = _inputs(CASES[0], torch.float32)
+    a = _case_inputs(CASES[0], torch.float32)
     q, k, v, kw = _split(a)
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     out, m, l = sparseops.nsa_selected_attention(q, k, v, backend=backend, **kw)
@@ -122,7 +122,7 @@ def test_seed_op_equals_autograd(backend):
 
 
 def test_seed_op_reads_lane_zero_only():
-    a = _inputs(CASES[3], torch.float32)
+    a = _case_inputs(CASES[3], torch.float32)
     q, k, v, kw = _split(a)
     out, m, l = sparseops.nsa_selected_attention(q, k, v, **kw)
     dout = torch.randn_like(out)
@@ -140,7 +140,7 @@ def test_seed_op_reads_lane_zero_only():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_deterministic_is_bitwise_reproducible(dtype):
     # G16 with duplicates: many (token, slot) pairs add into the same key rows
-    a = _inputs(CASES[3], dtype, seed=5)
+    a = _case_inputs(CASES[3], dtype, seed=5)
     q, k, v, kw = _split(a)
     out, m, l = sparseops.nsa_selected_attention(q, k, v, **kw)
     dout = torch.randn(out.shape).to(dtype)
@@ -163,7 +163,7 @@ def test_deterministic_none_follows_the_switches(monkeypatch):
         return real(*args, deterministic=deterministic, **kw)
 
     monkeypatch.setattr(torch_impl, "backward", spy)
-    a = _inputs(CASES[5], torch.float32)
+    a = _case_inputs(CASES[5], torch.float32)
     q, k, v, kw = _split(a)
     out, m, l = sparseops.nsa_selected_attention(q, k, v, **kw)
     gkw = {n: kw[n] for n in ("scale_value", "selected_block_size", "selected_block_count", "head_num",
@@ -194,7 +194,7 @@ def test_meta_tensors_give_shapes():
 
 
 def test_int64_topk_and_tensor_cu_seqlens():
-    a = _inputs(CASES[0], torch.float32)
+    a = _case_inputs(CASES[0], torch.float32)
     q, k, v, kw = _split(a)
     ref = sparseops.nsa_selected_attention(q, k, v, **kw)
     kw["topk_indices"] = kw["topk_indices"].long()
@@ -262,7 +262,7 @@ def test_every_layout_matches_reference(case, layout, override, layouts):
         override(torch_plan.SETTINGS, tile=int(layout[len(kind):]))
     if kind == "global":
         override(torch_plan.SETTINGS, chunk_bytes=2**14)  # chunks of a few tokens, batches of a few tiles
-    _autograd_matches_reference(_inputs(case, torch.float64, seed=11), seed=3)
+    _autograd_matches_reference(_case_inputs(case, torch.float64, seed=11), seed=3)
     if layout == "span":  # chunks across a sequence boundary take the gathered union
         assert "span" in layouts and layouts <= {"span", "union"}
     else:
@@ -274,7 +274,7 @@ def test_small_g_dense_selection_takes_a_span(layouts):
     # bound); the plan takes the selection's span of the block buffer instead (no gather), never across a
     # sequence boundary, and its results and gradients (deterministic or not) match the reference
     case = ("G1-dense", [300, 200], None, 4, 4, 32, 16, 16, 12, True, 0.0, False)
-    a = _inputs(case, torch.float64, seed=5)
+    a = _case_inputs(case, torch.float64, seed=5)
     q, k, v, kw = _split(a)
     cu = normalize_cu_seqlens("q", kw["actual_seq_qlen"], q.shape[0])
     plan = torch_plan.Plan(q, k, kw["topk_indices"], 16, cu, cu, True)
@@ -361,7 +361,7 @@ def test_ids_out_of_range_unvalidated_act_as_empty_slots(layout, override):
 def test_very_negative_scores_give_exact_zeros():
     # scores far below the row max (exp underflows; the backend clamps the exponent for speed) must still give
     # the reference's probabilities, and invisible keys exactly 0 gradient
-    a = _inputs(CASES[3], torch.float32, seed=2)
+    a = _case_inputs(CASES[3], torch.float32, seed=2)
     q, k, v, kw = _split(a)
     k = k.clone()
     k[::3] *= 60.0
@@ -378,7 +378,7 @@ def test_very_negative_scores_give_exact_zeros():
 
 def test_small_chunks_give_the_same_result(override):
     # forces many chunks (one token each) through the chunk loop, incl. chunks with nothing visible
-    a = _inputs(CASES[0], torch.float64)
+    a = _case_inputs(CASES[0], torch.float64)
     q, k, v, kw = _split(a)
     q.requires_grad_()
     out, m, l = sparseops.nsa_selected_attention(q, k, v, **kw)
@@ -395,7 +395,7 @@ def test_chunks_whose_gathered_blocks_pass_the_budget_are_split(override):
     # G = 1, few tokens per sequence, non-causal: each slot gathers its own block, which the per-slot budget of
     # chunks() does not count; jobs() halves such chunks (down to one token) and the results stay the same
     case = ("G1-short-q-long-kv", [3, 2, 4, 1], [60, 70, 33, 48], 2, 2, 16, 8, 16, 3, False, 0.0, True)
-    a = _inputs(case, torch.float64)
+    a = _case_inputs(case, torch.float64)
     dout = torch.randn(a["query"].shape[0], 2, 8, dtype=torch.float64)
     want = _ref(a, dout)
     # a span (a view of the buffer) gathers nothing: off
@@ -422,7 +422,7 @@ def test_chunks_whose_gathered_blocks_pass_the_budget_are_split(override):
 
 
 def test_atten_mask_is_accepted_and_never_read():
-    a = _inputs(CASES[0], torch.float32)
+    a = _case_inputs(CASES[0], torch.float32)
     q, k, v, kw = _split(a)
     ref = sparseops.nsa_selected_attention(q, k, v, **kw)
     for mask in (torch.ones(4, 4, dtype=torch.bool), torch.zeros(2048, 2048, dtype=torch.uint8)):
@@ -432,7 +432,7 @@ def test_atten_mask_is_accepted_and_never_read():
 
 
 def test_triton_backend_request_is_clear():
-    a = _inputs(CASES[5], torch.float32)
+    a = _case_inputs(CASES[5], torch.float32)
     q, k, v, kw = _split(a)
     with pytest.raises(ValueError, match="backend"):
         sparseops.nsa_selected_attention(q, k, v, backend="triton", **kw)
