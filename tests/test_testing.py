@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from sparseops.testing import make_nsa_inputs, make_topk_indices, rel_rms_error
+from sparseops.testing import make_moe_case, make_nsa_inputs, make_topk_indices, rel_rms_error
 
 
 def _sets(idx):
@@ -79,3 +79,16 @@ def test_rel_rms_error_non_finite():
     assert rel_rms_error(torch.tensor([nan, inf, -inf, nan, 2.0]), e) == inf  # NaN where expected is finite
     assert rel_rms_error(torch.tensor([1.5, inf, -inf, nan, 2.0]), e) == pytest.approx(
         math.sqrt(0.25 / 2) / math.sqrt(5 / 2))  # over the finite elements
+
+
+def test_moe_case_holds_a_backend_call_of_each_op():
+    from sparseops.moe import reference
+
+    c = make_moe_case(7, 3, 5, (4, 15), dtype=torch.bfloat16, probs_dtype=torch.float32, index_dtype=torch.int64)
+    assert torch.equal(c["si"], reference.sorted_indices_from(c["indices"]).to(torch.int64))
+    assert c["si"].dtype == torch.int64 and c["x"].shape == (11, 5) and c["ppg"].shape == (11,)
+    assert c["x"].dtype == torch.bfloat16 and c["ppg"].dtype == torch.float32 and (c["K"], c["s"], c["e"]) == (3, 4, 15)
+    out = reference.unpermute(c["x"], c["si"], c["probs"], c["K"], c["s"], c["e"])
+    assert out.shape == (7, 5)
+    full = make_moe_case(2, 2, 3)
+    assert (full["s"], full["e"]) == (0, 4) and full["x"].shape == (4, 3)

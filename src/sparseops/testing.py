@@ -109,6 +109,38 @@ def make_moe_inputs(
     }
 
 
+def make_moe_case(
+    T: int,
+    K: int,
+    H: int,
+    window: tuple[int, int] | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    probs_dtype: torch.dtype | None = None,
+    index_dtype: torch.dtype = torch.int32,
+    seed: int = 0,
+    device="cpu",
+) -> dict:
+    """The arguments of the MoE backend functions (``permute``, ``unpermute``, ``unpermute_grad``,
+    ``permute_grad``) for one window ``[s, e)`` (None: all ``N = T*K`` rows), as tests and benchmarks call them.
+
+    Returns ``tokens [T, H]``, ``indices [T, K]``, ``probs [T, K]`` (``probs_dtype``, default ``dtype``),
+    ``si [N]`` (the slot -> row map of the indices, ``index_dtype``), ``x [R, H]`` (rows of the window, for
+    unpermute / permute_grad), ``grad [T, H]``, ``ppg [R]`` (``probs_dtype``), and ``K``, ``s``, ``e``.
+    """
+    d = make_moe_inputs(T, K, H, dtype=dtype, probs_dtype=probs_dtype, index_dtype=index_dtype, seed=seed)
+    flat = d["indices"].reshape(-1).long()
+    order = torch.argsort(flat, stable=True)  # row -> slot; its inverse is slot -> row
+    si = torch.empty_like(order).scatter_(0, order, torch.arange(flat.numel())).to(index_dtype)
+    s, e = (0, T * K) if window is None else window
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(e - s, H, generator=g, dtype=torch.float64).to(dtype)
+    grad = torch.randn(T, H, generator=g, dtype=torch.float64).to(dtype)
+    ppg = torch.randn(e - s, generator=g, dtype=torch.float64).to(probs_dtype or dtype)
+    out = {**d, "si": si, "x": x, "grad": grad, "ppg": ppg}
+    return {**{k: v.to(device) for k, v in out.items()}, "K": K, "s": s, "e": e}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # NSA inputs
 # ----------------------------------------------------------------------------------------------------------------
