@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..moe import api as moe_api
-from ..moe.api import (
+from ..moe.checks import (
     check_permute_args,
     check_permute_grad_args,
     check_unpermute_args,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..nsa import api as nsa_api
-from ..nsa.api import _check_args as check_args
+from ..nsa.checks import check_args
 from .args import index32, int_array, integer, layout, nbytes, out_tensor, same_device, tensor
 from .runtime import ACLNN_ERR_INNER_TILING_ERROR, Fail, Plan, phase1, phase2, validate
 
