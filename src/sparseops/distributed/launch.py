@@ -43,14 +43,24 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
-        try:
-            out = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
-        # plain pickle: torch's queue reductions share tensors through the child, which exits now
-        results.put((rank, True, pickle.dumps(out)))
-    except BaseException:  # every failure goes back to the parent with its traceback
+    except BaseException:
         results.put((rank, False, traceback.format_exc()))
+        return
+    try:
+        out = fn(rank, world_size, *args)
+        # plain pickle: torch's queue reductions share tensors through the child, which exits now
+        msg = (rank, True, pickle.dumps(out))
+    except BaseException:  # reported before the group goes down, so the root cause arrives first
+        msg = (rank, False, traceback.format_exc())
+        results.put(msg)
+        msg = None
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a peer already gone; the result or error is what matters
+            pass
+    if msg is not None:
+        results.put(msg)
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo", timeout: float = 60.0,
@@ -119,7 +129,17 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo",
                                      "before returning a result") from None
                 continue
             if not ok:
-                raise SpawnError(f"spawn: rank {rank} of {world_size} raised:\n{value}")
+                errors = [f"spawn: rank {rank} of {world_size} raised:\n{value}"]
+                # the peers of a failed rank fail in their next collective: list them after the first error
+                grace = time.monotonic() + 1.0
+                while time.monotonic() < grace:
+                    try:
+                        r2, ok2, v2 = results.get(timeout=max(0.01, grace - time.monotonic()))
+                    except _queue.Empty:
+                        break
+                    if not ok2:
+                        errors.append(f"then rank {r2} raised:\n{v2}")
+                raise SpawnError("\n".join(errors))
             out[rank] = pickle.loads(value)
         for p in procs:
             p.join(timeout=max(1.0, deadline - time.monotonic()))
