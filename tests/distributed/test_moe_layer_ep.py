@@ -117,6 +117,12 @@ def _worker(rank, ws, cases):
     counts = layer.router.local_tokens_per_expert.clone()
     n = update_expert_bias(layer, rate=0.5, group=group)
     res["bias"] = (n, counts, layer.router.expert_bias.clone(), layer.router.local_tokens_per_expert.clone())
+    # an EP group that does not divide E
+    try:
+        MoELayer(H, F, ws + 1, 1, ep_group=group)
+        res["indivisible"] = None
+    except ValueError as exc:
+        res["indivisible"] = str(exc)
     # ranks that disagree on E fail together at the first forward (a ValueError, not a hang)
     bad = MoELayer(H, F, 2 * ws if rank else 4 * ws, 2, ep_group=group)
     try:
@@ -202,6 +208,7 @@ def test_ep_layer_matches_oracle(ws):
         assert torch.equal(r["bias"][2], bias0)
     torch.testing.assert_close(bias0.double(), b, atol=1e-6, rtol=0)
     for r in res:
+        assert "ep_group: expected a group size that divides num_experts" in (r["indivisible"] or "")
         assert r["disagree"] is not None and "num_experts: expected the same value on every rank" in r["disagree"]
     assert not failures, "\n".join(failures)
 
