@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import _compile
 from .._checks import check_int
 from .._settings import Settings
 
@@ -84,8 +85,39 @@ def _mm_weight_grad(g: torch.Tensor, x: torch.Tensor, counts: list[int], offs, g
     return gw
 
 
+#: the fused SwiGLU kernels are taken from this many elements of h1 on (smaller calls are as fast eager)
+_FUSED_MIN_ELEMENTS = 1 << 16
+
+
+def _fusable(*ts: torch.Tensor) -> bool:
+    t = ts[0]
+    return (t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and t.numel() >= _FUSED_MIN_ELEMENTS and min(t.shape) >= 2 and all(u.is_contiguous() for u in ts))
+
+
+@_compile.kernel("swiglu_fwd")
+def _swiglu_fwd_fused(h1: torch.Tensor, h3: torch.Tensor, out: torch.Tensor) -> None:
+    a = h1.float()
+    out.copy_((F.silu(a) * h3.float()).to(out.dtype))
+
+
+@_compile.kernel("swiglu_bwd")
+def _swiglu_bwd_fused(da: torch.Tensor, h1: torch.Tensor, h3: torch.Tensor, dh1: torch.Tensor,
+                      dh3: torch.Tensor) -> None:
+    a, g = h1.float(), da.float()
+    sig = torch.sigmoid(a)
+    dh3.copy_((g * (a * sig)).to(dh3.dtype))
+    dh1.copy_((g * h3.float() * (sig * (1 + a * (1 - sig)))).to(dh1.dtype))
+
+
 def _act_fwd(h1: torch.Tensor, h3: torch.Tensor | None) -> torch.Tensor:
-    """``silu(h1) * h3`` or ``gelu(h1)`` in fp32 (float64 for float64), rounded once to h1's dtype."""
+    """``silu(h1) * h3`` or ``gelu(h1)`` in fp32 (float64 for float64), rounded once to h1's dtype.
+
+    SwiGLU on CPU tensors runs one fused pass (``_compile``) when no gradient is recorded through it."""
+    if h3 is not None and not torch.is_grad_enabled() and _fusable(h1, h3):
+        out = torch.empty_like(h1)
+        if _swiglu_fwd_fused(h1, h3, out):
+            return out
     acc = torch.float64 if h1.dtype == torch.float64 else torch.float32
     a = h1.to(acc)
     if h3 is None:
@@ -95,6 +127,10 @@ def _act_fwd(h1: torch.Tensor, h3: torch.Tensor | None) -> torch.Tensor:
 
 def _act_bwd(da: torch.Tensor, h1: torch.Tensor, h3: torch.Tensor | None):
     """Gradients of :func:`_act_fwd` wrt h1 (and h3), in fp32, rounded once."""
+    if h3 is not None and _fusable(da, h1, h3):
+        dh1, dh3 = torch.empty_like(h1), torch.empty_like(h3)
+        if _swiglu_bwd_fused(da, h1, h3, dh1, dh3):
+            return dh1, dh3
     acc = torch.float64 if h1.dtype == torch.float64 else torch.float32
     a, g = h1.to(acc), da.to(acc)
     sig = torch.sigmoid(a)
@@ -116,16 +152,15 @@ class _GroupedFFN(torch.autograd.Function):
         h3 = None if w3 is None else _mm_rows(x, w3, counts, offs, x.new_empty(R, w3.shape[1]), grouped)
         a = _act_fwd(h1, h3)
         out = _mm_rows(a, w2, counts, offs, x.new_empty(R, w2.shape[1]), grouped)
-        ctx.save_for_backward(x, w1, w3, w2, h1, h3)
+        ctx.save_for_backward(x, w1, w3, w2, h1, h3, a)
         ctx.counts, ctx.offs, ctx.grouped = counts, offs, grouped
         return out
 
     @staticmethod
     def backward(ctx, gout):
-        x, w1, w3, w2, h1, h3 = ctx.saved_tensors
+        x, w1, w3, w2, h1, h3, a = ctx.saved_tensors
         counts, offs, grouped = ctx.counts, ctx.offs, ctx.grouped
         gout = gout.contiguous()
-        a = _act_fwd(h1, h3)
         gw2 = _mm_weight_grad(gout, a, counts, offs, grouped, w2.shape)
         # da[rows of e] = gout[rows of e] @ w2[e]: w2[e].T.T, so pass w2 transposed per expert
         da = _mm_rows(gout, w2.transpose(-2, -1), counts, offs, gout.new_empty(a.shape), grouped)
