@@ -40,6 +40,7 @@ if (ROOT / "src" / "sparseops").is_dir() and str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
 from sparseops.nn import MoELayer  # noqa: E402
+from sparseops.nn.reference import moe_reference  # noqa: E402
 from sparseops.testing import TOLERANCES, rel_rms_error  # noqa: E402
 
 SPEEDUP_GOAL = 1.2
@@ -93,6 +94,25 @@ def environment() -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- one process
+
+
+def gate_reference() -> list[dict]:
+    """Ours against the float64 per-token oracle on a small case (same choices), before anything is timed."""
+    out = []
+    for name, dtype in DTYPES.items():
+        torch.manual_seed(3)
+        layer = MoELayer(24, 12, 8, 2, shared_ffn_size=8).to(dtype)
+        x = torch.randn(37, 24).to(dtype)
+        with torch.no_grad():
+            y = layer(x)[0]
+            idx = layer.router.route(x)[2].tolist()
+            p = {"router": layer.router.weight.double(), "w1": layer.experts.w1.double(),
+                 "w3": layer.experts.w3.double(), "w2": layer.experts.w2.double(),
+                 "shared": tuple(w.double() for w in (layer.shared.w1, layer.shared.w3, layer.shared.w2))}
+            ref = moe_reference([x.double()], p, top_k=2, indices=[idx])["ys"][0]
+        out.append({"dtype": name, "err": rel_rms_error(y, ref), "tol": TOLERANCES[dtype]})
+    return out
+
 
 
 def build_ours(s: dict, dtype: torch.dtype, seed: int = 0) -> MoELayer:
@@ -317,8 +337,14 @@ def main(argv=None) -> int:
     def log(msg):
         print(f"[moe_layer] {msg}", file=sys.stderr, flush=True)
 
+    gate = gate_reference()
+    bad = [g for g in gate if not g["err"] <= g["tol"]]
+    if bad:
+        print(f"moe_layer: ours differs from the float64 oracle: {bad}; nothing timed", file=sys.stderr)
+        return 1
     floors, rows = bench_one_process(mode_name, not args.no_peers, warmup, runs, log)
-    record = {"op": "MoELayer forward + backward", "mode": mode_name, "env": env, "floors": floors, "rows": rows}
+    record = {"op": "MoELayer forward + backward", "mode": mode_name, "env": env, "gate": gate, "floors": floors,
+              "rows": rows}
     try:
         import importlib.metadata as md
 
