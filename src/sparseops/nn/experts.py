@@ -19,6 +19,7 @@ from torch import nn
 from .. import _compile
 from .._checks import check_int
 from .._settings import Settings
+from ..moe.torch_impl import _empty_rows
 
 ACTIVATIONS = ("swiglu", "gelu")
 GEMMS = ("auto", "loop", "grouped")
@@ -31,6 +32,15 @@ class ExpertSettings:
 
 
 SETTINGS = Settings(ExpertSettings())
+
+
+def _empty(shape, like: torch.Tensor) -> torch.Tensor:
+    """A fresh buffer; large CPU ones are advised huge pages (moe.md, "CPU performance": fewer page faults)."""
+    shape = tuple(shape)
+    n = 1
+    for d in shape[:-1]:
+        n *= d
+    return _empty_rows(n, shape[-1], like.dtype, like.device).view(shape)
 
 
 def _grouped_fn():
@@ -57,7 +67,7 @@ def _mm_rows(x: torch.Tensor, w: torch.Tensor, counts: list[int], offs, out: tor
         except (RuntimeError, NotImplementedError):  # a device or dtype without a grouped kernel
             pass
     if out is None:
-        out = x.new_empty(x.shape[0], w.shape[1])
+        out = _empty((x.shape[0], w.shape[1]), x)
     s = 0
     for e, c in enumerate(counts):
         if c:
@@ -74,7 +84,7 @@ def _mm_weight_grad(g: torch.Tensor, x: torch.Tensor, counts: list[int], offs, g
             return _grouped_fn()(g.T, x, offs=offs)
         except (RuntimeError, NotImplementedError):
             pass
-    gw = g.new_empty(shape)
+    gw = _empty(shape, g)
     s = 0
     for e, c in enumerate(counts):
         if c:
@@ -115,7 +125,7 @@ def _act_fwd(h1: torch.Tensor, h3: torch.Tensor | None) -> torch.Tensor:
 
     SwiGLU on CPU tensors runs one fused pass (``_compile``) when no gradient is recorded through it."""
     if h3 is not None and not torch.is_grad_enabled() and _fusable(h1, h3):
-        out = torch.empty_like(h1)
+        out = _empty(h1.shape, h1)
         if _swiglu_fwd_fused(h1, h3, out):
             return out
     acc = torch.float64 if h1.dtype == torch.float64 else torch.float32
@@ -128,7 +138,7 @@ def _act_fwd(h1: torch.Tensor, h3: torch.Tensor | None) -> torch.Tensor:
 def _act_bwd(da: torch.Tensor, h1: torch.Tensor, h3: torch.Tensor | None):
     """Gradients of :func:`_act_fwd` wrt h1 (and h3), in fp32, rounded once."""
     if h3 is not None and _fusable(da, h1, h3):
-        dh1, dh3 = torch.empty_like(h1), torch.empty_like(h3)
+        dh1, dh3 = _empty(h1.shape, h1), _empty(h3.shape, h3)
         if _swiglu_bwd_fused(da, h1, h3, dh1, dh3):
             return dh1, dh3
     acc = torch.float64 if h1.dtype == torch.float64 else torch.float32
@@ -148,10 +158,10 @@ class _GroupedFFN(torch.autograd.Function):
     def forward(ctx, x, w1, w3, w2, counts, grouped):
         R = x.shape[0]
         offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32) if grouped else None
-        h1 = _mm_rows(x, w1, counts, offs, x.new_empty(R, w1.shape[1]), grouped)
-        h3 = None if w3 is None else _mm_rows(x, w3, counts, offs, x.new_empty(R, w3.shape[1]), grouped)
+        h1 = _mm_rows(x, w1, counts, offs, _empty((R, w1.shape[1]), x), grouped)
+        h3 = None if w3 is None else _mm_rows(x, w3, counts, offs, _empty((R, w3.shape[1]), x), grouped)
         a = _act_fwd(h1, h3)
-        out = _mm_rows(a, w2, counts, offs, x.new_empty(R, w2.shape[1]), grouped)
+        out = _mm_rows(a, w2, counts, offs, _empty((R, w2.shape[1]), x), grouped)
         ctx.save_for_backward(x, w1, w3, w2, h1, h3, a)
         ctx.counts, ctx.offs, ctx.grouped = counts, offs, grouped
         return out
@@ -163,12 +173,12 @@ class _GroupedFFN(torch.autograd.Function):
         gout = gout.contiguous()
         gw2 = _mm_weight_grad(gout, a, counts, offs, grouped, w2.shape)
         # da[rows of e] = gout[rows of e] @ w2[e]: w2[e].T.T, so pass w2 transposed per expert
-        da = _mm_rows(gout, w2.transpose(-2, -1), counts, offs, gout.new_empty(a.shape), grouped)
+        da = _mm_rows(gout, w2.transpose(-2, -1), counts, offs, _empty(a.shape, gout), grouped)
         dh1, dh3 = _act_bwd(da, h1, h3)
         del a, da
         gw1 = _mm_weight_grad(dh1, x, counts, offs, grouped, w1.shape)
         gw3 = None if w3 is None else _mm_weight_grad(dh3, x, counts, offs, grouped, w3.shape)
-        gx = _mm_rows(dh1, w1.transpose(-2, -1), counts, offs, x.new_empty(x.shape), grouped)
+        gx = _mm_rows(dh1, w1.transpose(-2, -1), counts, offs, _empty(x.shape, x), grouped)
         if w3 is not None:
             if grouped:
                 gx = gx + _mm_rows(dh3, w3.transpose(-2, -1), counts, offs, None, True)
