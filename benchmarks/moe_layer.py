@@ -9,7 +9,7 @@ per-expert loop); the fastest is the one we compare with. Outputs are checked fi
 and y within the fp32 tolerance; bf16: the tokens both route the same way, within the bf16 tolerance).
 
 What is timed: forward + backward (``y.backward(gy)``, gradients of x and every weight), median of several
-runs after a warm-up. The floor is the experts' matmul FLOPs, ``18 * T * K * H * F`` (forward 3 GEMMs,
+runs after a warm-up, ours and the peer's paths in turn run after run (the machine's load may drift). The floor is the experts' matmul FLOPs, ``18 * T * K * H * F`` (forward 3 GEMMs,
 backward 6), at the fp32 matmul rate measured in the same run. Goals: ours >= 1.2x faster than the peer's
 fastest path, and >= 60 % of the matmul rate (floor / ours >= 0.6).
 
@@ -165,6 +165,8 @@ def check_equal(ours: MoELayer, block, x: torch.Tensor, dtype: torch.dtype) -> d
 
 
 def bench_one_process(mode: str, peers: bool, warmup: int, runs: int, log) -> tuple[dict, list[dict]]:
+    """Ours and each peer implementation timed in turn, run after run (ABC ABC ...), so that a change of the
+    machine's load during the run affects every column alike; the median of each column is reported."""
     s = SHAPES[mode]
     floors = {"matmul_fp32_flops": matmul_rate(torch.float32, 256 if mode == "smoke" else 2048, runs),
               "matmul_bf16_flops": matmul_rate(torch.bfloat16, 256 if mode == "smoke" else 2048, runs)}
@@ -176,13 +178,8 @@ def bench_one_process(mode: str, peers: bool, warmup: int, runs: int, log) -> tu
         x = torch.randn(s["T"], s["H"], generator=g).to(dtype)
         gy = torch.randn(s["T"], s["H"], generator=g).to(dtype)
         ours = build_ours(s, dtype)
-        row = {**s, "dtype": name, "flops": flops, "floor_s": floor_s}
-        t = median_time(fwd_bwd(ours, x, gy, False), warmup=warmup, runs=runs)
-        row["ours_s"] = t["median_s"]
-        row["ours_min_s"] = t["min_s"]
-        row["floor_over_ours"] = floor_s / t["median_s"]
-        log(f"{name}: ours {t['median_s'] * 1e3:.0f} ms (floor {floor_s * 1e3:.0f} ms)")
-        row["peer"] = {}
+        row = {**s, "dtype": name, "flops": flops, "floor_s": floor_s, "peer": {}}
+        steps = {"ours": fwd_bwd(ours, x, gy, False)}
         for impl in (PEER_IMPLS if peers else ()):
             block, why = build_peer(ours, s, impl)
             if block is None:
@@ -190,18 +187,33 @@ def bench_one_process(mode: str, peers: bool, warmup: int, runs: int, log) -> tu
                 log(f"peer skipped: {why}")
                 break
             chk = check_equal(ours, block, x, dtype)
-            entry = {"check": chk}
+            row["peer"][impl] = {"check": chk}
             if chk["ok"]:
-                try:
-                    pt = median_time(fwd_bwd(block, x, gy, True), warmup=warmup, runs=runs)
-                    entry["time_s"] = pt["median_s"]
-                    log(f"{name}: peer {impl} {pt['median_s'] * 1e3:.0f} ms")
-                except Exception as exc:
-                    entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                steps[impl] = fwd_bwd(block, x, gy, True)
             else:
-                entry["error"] = "outputs differ: not timed"
-            row["peer"][impl] = entry
-            del block
+                row["peer"][impl]["error"] = "outputs differ: not timed"
+        times: dict[str, list[float]] = {k: [] for k in steps}
+        for k, fn in list(steps.items()):
+            try:
+                for _ in range(warmup):
+                    fn()
+            except Exception as exc:  # a peer path this torch cannot run: reported, not fatal
+                row["peer"][k]["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                del steps[k], times[k]
+        gc.collect()
+        for _ in range(runs):
+            for k, fn in steps.items():
+                t0 = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t0)
+        row["ours_s"] = statistics.median(times["ours"])
+        row["ours_min_s"] = min(times["ours"])
+        row["floor_over_ours"] = floor_s / row["ours_s"]
+        log(f"{name}: ours {row['ours_s'] * 1e3:.0f} ms (floor {floor_s * 1e3:.0f} ms)")
+        for k in times:
+            if k != "ours":
+                row["peer"][k]["time_s"] = statistics.median(times[k])
+                log(f"{name}: peer {k} {row['peer'][k]['time_s'] * 1e3:.0f} ms")
         timed = {k: v["time_s"] for k, v in row["peer"].items() if "time_s" in v}
         if timed:
             best = min(timed, key=timed.get)
@@ -211,7 +223,7 @@ def bench_one_process(mode: str, peers: bool, warmup: int, runs: int, log) -> tu
             row["goal_speedup_met"] = row["speedup_vs_peer"] >= SPEEDUP_GOAL
         row["goal_floor_met"] = row["floor_over_ours"] >= FLOOR_GOAL
         rows.append(row)
-        del ours
+        del ours, steps
         gc.collect()
     return floors, rows
 
