@@ -16,11 +16,13 @@ docs/moe-layer.md.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-Group = dist.ProcessGroup | None
+#: a process group, None meaning the default group (a forward reference: importable without c10d support)
+Group = Optional["dist.ProcessGroup"]
 
 
 def group_size_rank(group: Group) -> tuple[int, int]:
