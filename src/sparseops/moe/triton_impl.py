@@ -127,8 +127,9 @@ def unpermute_grad(grad, sorted_indices, permuted_tokens, probs, K, s, e):
     return ptg, pg
 
 
-def permute_grad(ptg, sorted_indices, permuted_probs_grad, K, s, e):
+def permute_grad(permuted_tokens_grad, sorted_indices, permuted_probs_grad, K, s, e):
     """``tokens_grad[t] = sum_k ptg[v - s]`` over live slots (k ascending); ``probs_grad[t, k] = ppg[v - s]`` or 0."""
+    ptg = permuted_tokens_grad
     R, H = ptg.shape
     T = sorted_indices.numel() // K
     ppg = permuted_probs_grad

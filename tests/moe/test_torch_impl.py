@@ -1,5 +1,5 @@
-"""The torch backend against the reference: every op and every gradient, float64, odd shapes, all ranges;
-then the 9 token x probs dtype pairs, index dtypes, num_out_tokens, invariants, determinism, poison."""
+"""The MoE torch backend (`sparseops.moe.torch_impl`) against the float64 reference: every op and gradient, odd
+shapes, windows, dtype pairs, its chunked and sparse paths, fully written outputs."""
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ from sparseops import (
     moe_token_unpermute_with_ep,
     moe_token_unpermute_with_ep_grad,
 )
-from sparseops.moe import api, reference, torch_impl
+from sparseops.moe import checks, reference, torch_impl
 from sparseops.testing import assert_close, make_moe_inputs, poison_
 
 F64 = torch.float64
@@ -38,7 +38,7 @@ CASES = [
 ]
 
 
-def _inputs(T, K, H, dtype=F64, probs_dtype=None, index_dtype=torch.int32, seed=0):
+def _moe_inputs(T, K, H, dtype=F64, probs_dtype=None, index_dtype=torch.int32, seed=0):
     dup = K == 3  # the duplicate-experts case draws ids with repeats within a token
     return make_moe_inputs(T, K, H, num_experts=max(8, K + 1) if not dup else 2, dtype=dtype,
                            probs_dtype=probs_dtype, index_dtype=index_dtype, seed=seed, distinct_experts=not dup)
@@ -96,7 +96,7 @@ def _extra(T, K, H, dtype=F64, seed=1):
 
 @pytest.mark.parametrize("T,K,H,rng,num_out,with_probs,index_dtype", CASES)
 def test_torch_matches_reference_float64(T, K, H, rng, num_out, with_probs, index_dtype):
-    d = _inputs(T, K, H, index_dtype=index_dtype)
+    d = _moe_inputs(T, K, H, index_dtype=index_dtype)
     extra = _extra(T, K, H)
     got = _chain("torch", d, rng, num_out, with_probs, extra)
     want = _chain("reference", d, rng, num_out, with_probs, extra)
@@ -122,7 +122,7 @@ def _window(T, K, rng, num_out):
 @pytest.mark.parametrize("T,K,H,rng,num_out,with_probs,index_dtype", CASES)
 def test_permute_rows_and_shapes(T, K, H, rng, num_out, with_probs, index_dtype):
     """R = e - s rows; the no-probs and with-probs permute rows are bitwise copies of token rows."""
-    d = _inputs(T, K, H, index_dtype=index_dtype)
+    d = _moe_inputs(T, K, H, index_dtype=index_dtype)
     s, e = _window(T, K, rng, num_out)
     pt, si, pp = moe_token_permute_with_ep(d["tokens"], d["indices"], d["probs"] if with_probs else None, rng,
                                            num_out, backend="torch")
@@ -159,14 +159,6 @@ def test_sorted_indices_invariants(T, K, index_dtype):
     assert torch.bincount(experts, minlength=5).sum() == N
 
 
-def test_one_dim_indices_mean_k1():
-    d = _inputs(7, 1, 5)
-    a = moe_token_permute_with_ep(d["tokens"], d["indices"][:, 0], d["probs"][:, 0], backend="torch")
-    b = moe_token_permute_with_ep(d["tokens"], d["indices"], d["probs"], backend="torch")
-    for x, y in zip(a, b):
-        assert torch.equal(x, y)
-
-
 def _torch_and_float64_reference(d, extra, rng):
     """The op chain on the torch backend in the inputs' dtypes, and on the reference in float64 (upcast
     inputs); ``sorted_indices`` is checked bitwise here and left out of both results."""
@@ -184,7 +176,7 @@ DTYPE_PAIRS = [pytest.param(a, b, id=f"tokens-{str(a)[6:]}-probs-{str(b)[6:]}") 
 @pytest.mark.parametrize("dtype,probs_dtype", DTYPE_PAIRS)
 def test_dtype_pairs_against_float64_reference(dtype, probs_dtype):
     T, K, H, rng = 33, 4, 96, [10, 120]
-    d = _inputs(T, K, H, dtype=dtype, probs_dtype=probs_dtype, seed=5)
+    d = _moe_inputs(T, K, H, dtype=dtype, probs_dtype=probs_dtype, seed=5)
     extra = _extra(T, K, H, dtype=dtype, seed=6)
     extra["w_pp"] = extra["w_pp"].to(probs_dtype)
     got, want = _torch_and_float64_reference(d, extra, rng)
@@ -196,7 +188,7 @@ def test_dtype_pairs_against_float64_reference(dtype, probs_dtype):
 
 
 def test_no_probs_paths_are_exact_copies():
-    d = _inputs(33, 8, 96, dtype=torch.bfloat16)
+    d = _moe_inputs(33, 8, 96, dtype=torch.bfloat16)
     pt, si, _ = moe_token_permute_with_ep(d["tokens"], d["indices"], None, [5, 200], backend="torch")
     g = torch.randn(33, 96).to(torch.bfloat16)
     ptg, pg = moe_token_unpermute_with_ep_grad(g, si, None, None, range=[5, 200], topk_num=8, backend="torch")
@@ -206,14 +198,14 @@ def test_no_probs_paths_are_exact_copies():
     assert torch.equal(pt, d["tokens"][inv[5:200] // 8])
     assert torch.equal(ptg, g[inv[5:200] // 8])
     # K = 1 unpermute without probs is the inverse permutation, exactly
-    d1 = _inputs(7, 1, 5, dtype=torch.float16)
+    d1 = _moe_inputs(7, 1, 5, dtype=torch.float16)
     pt1, si1, _ = moe_token_permute_with_ep(d1["tokens"], d1["indices"], backend="torch")
     assert torch.equal(moe_token_unpermute_with_ep(pt1, si1, backend="torch"), d1["tokens"])
 
 
 def test_zero_prob_rows_never_leak_inf_or_nan():
     T, K, H = 7, 2, 5
-    d = _inputs(T, K, H, dtype=torch.float32)
+    d = _moe_inputs(T, K, H, dtype=torch.float32)
     probs = d["probs"].clone()
     probs[3, 1] = 0.0
     pt, si, _ = moe_token_permute_with_ep(d["tokens"], d["indices"], probs, backend="torch")
@@ -241,18 +233,8 @@ def test_non_finite_prob_of_a_slot_outside_the_window_is_never_read(bad):
         assert torch.equal(out, torch.tensor([[1.0] * 3] * 3 + [[0.0] * 3])), backend
 
 
-def test_meta_tensors_skip_the_data_checks():
-    # shape inference on meta tensors: the checks that read index data cannot run (there is none)
-    m = {"device": "meta"}
-    pt, si, pp = moe_token_permute_with_ep(torch.empty(3, 4, **m), torch.empty(3, 2, dtype=torch.int32, **m),
-                                           torch.empty(3, 2, **m), backend="torch")
-    assert (pt.shape, si.shape, pp.shape) == ((6, 4), (6,), (6,))
-    out = moe_token_unpermute_with_ep(pt, si, torch.empty(3, 2, **m), backend="torch")
-    assert out.shape == (3, 4) and out.device.type == "meta"
-
-
 def test_tokens_without_valid_slot_get_zeros_not_nan():
-    d = _inputs(7, 2, 5, dtype=torch.float32)
+    d = _moe_inputs(7, 2, 5, dtype=torch.float32)
     pt, si, _ = moe_token_permute_with_ep(d["tokens"], d["indices"], d["probs"], [4, 4], backend="torch")
     assert pt.shape == (0, 5)
     out = moe_token_unpermute_with_ep(pt, si, d["probs"], range=[4, 4], backend="torch")
@@ -266,7 +248,7 @@ def test_tokens_without_valid_slot_get_zeros_not_nan():
 @pytest.mark.parametrize("dtype", [pytest.param(d, id=str(d)[6:]) for d in DTYPES])
 def test_repeated_calls_are_bitwise_identical(dtype):
     T, K, H, rng = 33, 8, 96, [7, 250]
-    d = _inputs(T, K, H, dtype=dtype)
+    d = _moe_inputs(T, K, H, dtype=dtype)
     ex = _extra(T, K, H, dtype=dtype)
     a = _chain("torch", d, rng, 0, True, ex)
     b = _chain("torch", d, rng, 0, True, ex)
@@ -274,11 +256,11 @@ def test_repeated_calls_are_bitwise_identical(dtype):
         assert torch.equal(a[name], b[name]), name
 
 
-def test_chunked_paths_match_reference(monkeypatch):
+def test_chunked_paths_match_reference(override):
     """Shrink the chunk so that every loop runs many chunks with a ragged tail."""
-    monkeypatch.setattr(torch_impl, "_CHUNK_BYTES", 1)
+    override(torch_impl.SETTINGS, chunk_bytes=1)
     for dtype in (F64, torch.bfloat16):
-        d = _inputs(40, 3, 5, dtype=dtype)
+        d = _moe_inputs(40, 3, 5, dtype=dtype)
         ex = _extra(40, 3, 5, dtype=dtype)
         got = _chain("torch", d, [3, 100], 0, True, ex)
         up = {k: (v.to(F64) if v.is_floating_point() else v) for k, v in d.items()}
@@ -289,7 +271,7 @@ def test_chunked_paths_match_reference(monkeypatch):
 
 
 def test_non_contiguous_inputs():
-    d = _inputs(7, 2, 10)
+    d = _moe_inputs(7, 2, 10)
     tokens = d["tokens"][:, ::2]
     probs = d["probs"].t().contiguous().t()
     got = moe_token_permute_with_ep(tokens, d["indices"], probs, [2, 12], backend="torch")
@@ -322,12 +304,12 @@ class _PoisonedTorch:
 @pytest.mark.parametrize("rng", [pytest.param(None, id="full"), pytest.param([3, 100], id="partial"),
                                  pytest.param([50, 50], id="empty")])
 @pytest.mark.parametrize("dtype", [pytest.param(F64, id="float64"), pytest.param(torch.bfloat16, id="bfloat16")])
-def test_poisoned_buffers_are_fully_written(monkeypatch, rng, dtype):
+def test_poisoned_buffers_are_fully_written(override, monkeypatch, rng, dtype):
     """Every buffer torch_impl allocates without initialising starts as NaN: an element that no code path
     writes shows up as NaN in the outputs."""
     monkeypatch.setattr(torch_impl, "torch", _PoisonedTorch())
-    monkeypatch.setattr(torch_impl, "_CHUNK_BYTES", 64)  # many chunks, ragged tail
-    d = _inputs(40, 3, 5, dtype=dtype)
+    override(torch_impl.SETTINGS, chunk_bytes=64)  # many chunks, ragged tail
+    d = _moe_inputs(40, 3, 5, dtype=dtype)
     ex = _extra(40, 3, 5, dtype=dtype)
     got, want = _torch_and_float64_reference(d, ex, rng)
     for name in want:
@@ -335,12 +317,12 @@ def test_poisoned_buffers_are_fully_written(monkeypatch, rng, dtype):
         assert_close(got[name], want[name], got[name].dtype, name=name)
 
 
-def test_huge_page_advice_changes_no_value(monkeypatch):
+def test_huge_page_advice_changes_no_value(override, monkeypatch):
     """With every output advised ``MADV_HUGEPAGE`` (threshold 1 byte) the results are bitwise those without
     advice, and the advice is actually given on Linux."""
     import sys
 
-    d = _inputs(40, 3, 70, dtype=torch.bfloat16)
+    d = _moe_inputs(40, 3, 70, dtype=torch.bfloat16)
     ex = _extra(40, 3, 70, dtype=torch.bfloat16)
     monkeypatch.setattr(torch_impl, "_madvise", None)
     plain = _chain("torch", d, [3, 100], 0, True, ex)
@@ -352,15 +334,15 @@ def test_huge_page_advice_changes_no_value(monkeypatch):
         return 0
 
     monkeypatch.setattr(torch_impl, "_madvise", counting)
-    monkeypatch.setattr(torch_impl, "_HUGE_MIN_BYTES", 1)
-    monkeypatch.setattr(torch_impl, "_PAGE", 64)  # small test buffers hold whole "pages"
+    override(torch_impl.SETTINGS, huge_min_bytes=1)
+    override(torch_impl.SETTINGS, page_bytes=64)  # small test buffers hold whole "pages"
     advised = _chain("torch", d, [3, 100], 0, True, ex)
     for name in plain:
         assert torch.equal(plain[name], advised[name]), name
     assert calls
     # the real advice on a real 4 MiB buffer: the tensor is usable and holds what is written
     monkeypatch.setattr(torch_impl, "_madvise", torch_impl._load_madvise())
-    monkeypatch.setattr(torch_impl, "_PAGE", 4096)
+    override(torch_impl.SETTINGS, page_bytes=4096)
     x = torch_impl._empty_rows(1024, 1024, torch.float32, torch.device("cpu"))
     assert x.shape == (1024, 1024) and x.dtype == torch.float32
     x.fill_(2.5)
@@ -372,16 +354,16 @@ def test_huge_page_advice_changes_no_value(monkeypatch):
 @pytest.mark.parametrize("fraction", [0.0, 2.0], ids=["walk-all-slots", "live-slots-only"])
 @pytest.mark.parametrize("rng", [None, [5, 40], [30, 31], [-9, -9]], ids=["full", "partial", "one-row", "empty"])
 @pytest.mark.parametrize("with_probs", [True, False], ids=["probs", "no-probs"])
-def test_both_k_sum_paths_match_reference(monkeypatch, fraction, rng, with_probs):
+def test_both_k_sum_paths_match_reference(override, fraction, rng, with_probs):
     """unpermute and permute_grad sum over k either by walking every slot or by gathering live slots only
     (chosen by the live share); force each path on every window and compare with the float64 oracle."""
-    monkeypatch.setattr(torch_impl, "_SPARSE_FRACTION", fraction)
+    override(torch_impl.SETTINGS, sparse_fraction=fraction)
     d = make_moe_inputs(11, 5, 7, num_experts=6, dtype=torch.float64, seed=3)
     probs = d["probs"].clone()
     probs[2, 1] = 0.0  # a zero prob is skipped on both paths
     probs = probs if with_probs else None
     _, si, _ = moe_token_permute_with_ep(d["tokens"], d["indices"], backend="reference")
-    s, e = api.normalize_range(rng, si.numel(), si.numel())
+    s, e = checks.normalize_range(rng, si.numel(), si.numel())
     x = torch.randn(e - s, 7, dtype=torch.float64)
     got = torch_impl.unpermute(x, si, probs, 5, s, e)
     want = reference.unpermute(x, si, probs, 5, s, e)

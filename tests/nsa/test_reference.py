@@ -14,7 +14,7 @@ from sparseops.testing import assert_close, make_nsa_inputs
 
 
 def visibility_counts(topk_b, S1, S2, bs, causal):
-    """``[S1, S2]`` float64: how many slots of each query row gather each key, after the rules of spec §2."""
+    """``[S1, S2]`` float64: how many slots of each query row gather each key, after the visibility rules of docs/nsa.md."""
     cnt = torch.zeros(S1, S2, dtype=torch.float64)
     if S1 == 0 or S2 == 0:
         return cnt

@@ -33,11 +33,11 @@ def test_opcheck_forward_op():
 
     a = make_nsa_inputs([5, 7], [9, 20], N1=4, N2=2, Dqk=8, Dv=8, bs=16, K=2, dtype=torch.float32)
     q, k, v = (a[n].requires_grad_() for n in ("query", "key", "value"))
-    args = (q, k, v, a["topk_indices"], a["scale_value"], 16, [0, 5, 12], [0, 9, 29], True, "torch")
+    args = (q, k, v, a["topk_indices"], a["scale_value"], 16, [0, 5, 12], [0, 9, 29], True, "torch", False)
     torch.library.opcheck(_fwd_op, args)
     out, m, l = _fwd_op(*args)
     bargs = (q.detach(), k.detach(), v.detach(), out.detach(), torch.randn_like(out), m, l, *args[3:9], False,
-             "torch")
+             "torch", False)
     torch.library.opcheck(_bwd_op, bargs, test_utils=("test_schema", "test_faketensor"))
 
 

@@ -6,7 +6,7 @@ import torch
 
 import sparseops
 from sparseops._varlen import normalize_cu_seqlens
-from sparseops.nsa import reference
+from sparseops.nsa import reference, torch_impl, torch_jobs, torch_plan
 from sparseops.testing import assert_close, make_nsa_inputs, make_topk_indices, poison_
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -22,7 +22,7 @@ CASES = [
 ]
 
 
-def _inputs(case, dtype, seed=0):
+def _case_inputs(case, dtype, seed=0):
     _, sq, skv, N1, N2, Dqk, Dv, bs, K, causal, ef, dup = case
     return make_nsa_inputs(sq, skv, N1=N1, N2=N2, Dqk=Dqk, Dv=Dv, bs=bs, K=K, dtype=dtype, causal=causal,
                            empty_frac=ef, duplicates=dup, seed=seed)
@@ -46,7 +46,7 @@ def _split(a):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_torch_matches_reference(case, dtype):
-    a = _inputs(case, dtype)
+    a = _case_inputs(case, dtype)
     q, k, v, kw = _split(a)
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     out, m, l = sparseops.nsa_selected_attention(q, k, v, backend="torch", **kw)
@@ -64,7 +64,7 @@ def test_torch_matches_reference(case, dtype):
 
 
 def test_float64_inputs_give_float64_stats():
-    a = _inputs(CASES[0], torch.float64)
+    a = _case_inputs(CASES[0], torch.float64)
     q, k, v, kw = _split(a)
     out, m, l = sparseops.nsa_selected_attention(q, k, v, **kw)
     r_out, r_m, r_l, *_ = _ref(a, torch.zeros_like(out))
@@ -74,7 +74,7 @@ def test_float64_inputs_give_float64_stats():
 
 
 def test_stat_lanes_equal_and_not_differentiable():
-    q, k, v, kw = _split(_inputs(CASES[0], torch.float32))
+    q, k, v, kw = _split(_case_inputs(CASES[0], torch.float32))
     q.requires_grad_()
     out, m, l = sparseops.nsa_selected_attention(q, k, v, **kw)
     assert m.shape == l.shape == (q.shape[0], q.shape[1], 8)
@@ -102,7 +102,7 @@ def test_rows_with_no_visible_key():
 
 @pytest.mark.parametrize("backend", ["torch", "reference"])
 def test_seed_op_equals_autograd(backend):
-    a = _inputs(CASES[0], torch.float32)
+    a = _case_inputs(CASES[0], torch.float32)
     q, k, v, kw = _split(a)
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     out, m, l = sparseops.nsa_selected_attention(q, k, v, backend=backend, **kw)
@@ -122,7 +122,7 @@ def test_seed_op_equals_autograd(backend):
 
 
 def test_seed_op_reads_lane_zero_only():
-    a = _inputs(CASES[3], torch.float32)
+    a = _case_inputs(CASES[3], torch.float32)
     q, k, v, kw = _split(a)
     out, m, l = sparseops.nsa_selected_attention(q, k, v, **kw)
     dout = torch.randn_like(out)
@@ -140,7 +140,7 @@ def test_seed_op_reads_lane_zero_only():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_deterministic_is_bitwise_reproducible(dtype):
     # G16 with duplicates: many (token, slot) pairs add into the same key rows
-    a = _inputs(CASES[3], dtype, seed=5)
+    a = _case_inputs(CASES[3], dtype, seed=5)
     q, k, v, kw = _split(a)
     out, m, l = sparseops.nsa_selected_attention(q, k, v, **kw)
     dout = torch.randn(out.shape).to(dtype)
@@ -155,17 +155,15 @@ def test_deterministic_is_bitwise_reproducible(dtype):
 
 
 def test_deterministic_none_follows_the_switches(monkeypatch):
-    from sparseops.nsa import torch_impl
-
     seen = []
     real = torch_impl.backward
 
-    def spy(*args, deterministic=False):
+    def spy(*args, deterministic=False, **kw):  # the dispatcher passes every argument by keyword
         seen.append(deterministic)
-        return real(*args, deterministic=deterministic)
+        return real(*args, deterministic=deterministic, **kw)
 
     monkeypatch.setattr(torch_impl, "backward", spy)
-    a = _inputs(CASES[5], torch.float32)
+    a = _case_inputs(CASES[5], torch.float32)
     q, k, v, kw = _split(a)
     out, m, l = sparseops.nsa_selected_attention(q, k, v, **kw)
     gkw = {n: kw[n] for n in ("scale_value", "selected_block_size", "selected_block_count", "head_num",
@@ -196,7 +194,7 @@ def test_meta_tensors_give_shapes():
 
 
 def test_int64_topk_and_tensor_cu_seqlens():
-    a = _inputs(CASES[0], torch.float32)
+    a = _case_inputs(CASES[0], torch.float32)
     q, k, v, kw = _split(a)
     ref = sparseops.nsa_selected_attention(q, k, v, **kw)
     kw["topk_indices"] = kw["topk_indices"].long()
@@ -222,59 +220,49 @@ def _autograd_matches_reference(a, seed):
     return out.detach(), m, l, dout, ref
 
 
-def _force_layout(monkeypatch, layout):
+def _force_layout(override, layout):
     """Make the torch backend take one layout wherever it can: "span", "union" (gathered), "tiles" (per chunk),
     "global" (global tiles); "default": its own choice."""
-    from sparseops.nsa import torch_impl
-
     if layout in ("tiles", "global"):
-        monkeypatch.setattr(torch_impl, "UNION_WASTE", 0.0)
-        for knob in ("GLOBAL_FWD_SHARE", "GLOBAL_BWD_SHARE"):
-            monkeypatch.setattr(torch_impl, knob, float("inf") if layout == "global" else 0.0)
+        share = float("inf") if layout == "global" else 0.0
+        override(torch_plan.SETTINGS, union_waste=0.0, global_fwd_share=share, global_bwd_share=share)
     elif layout != "default":
-        monkeypatch.setattr(torch_impl, "UNION_WASTE", float("inf"))
-        monkeypatch.setattr(torch_impl, "SPAN", layout == "span")
-        monkeypatch.setattr(torch_impl, "SPAN_SLACK", float("inf"))
+        override(torch_plan.SETTINGS, union_waste=float("inf"), span=layout == "span", span_slack=float("inf"))
 
 
 @pytest.fixture
 def layouts(monkeypatch):
     """The set of layouts the torch backend's plans took in this test: "span", "union" (gathered), "tiles",
     "global" (global tiles)."""
-    from sparseops.nsa import torch_impl
-
-    seen, real = set(), torch_impl._Plan.jobs
+    seen, real = set(), torch_plan.Plan.jobs
 
     def jobs(self, *args):
         for t0, t1, job in real(self, *args):
-            seen.add(("span" if job.span else "union") if isinstance(job, torch_impl._UnionJob) else
-                     "global" if isinstance(job, torch_impl._GlobalTiles) else "tiles")
+            seen.add("span" if job.layout == "union" and job.span else job.layout)
             yield t0, t1, job
 
-    monkeypatch.setattr(torch_impl._Plan, "jobs", jobs)
+    monkeypatch.setattr(torch_plan.Plan, "jobs", jobs)
     return seen
 
 
 @pytest.mark.parametrize("layout", ["span", "union", "tile1", "tile3", "tile64", "global1", "global3"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3]], ids=[CASES[0][0], CASES[1][0], CASES[3][0]])
-def test_every_layout_matches_reference(case, layout, monkeypatch, layouts):
+def test_every_layout_matches_reference(case, layout, override, layouts):
     # the torch backend picks per chunk a union layout (its blocks as one span of the block buffer, a view, or
     # gathered) or a block-centric one whose tiles hold M slots of one block (M picked per chunk, or over all
     # tile chunks at once: global tiles, run in batches); force a span wherever a chunk holds one sequence
     # (small chunks: most do), a gathered union, or tiles with M = 1 (no padding), an odd M (padding rows in
     # most tiles) and M = 64 (one tile per block, mostly padding), or global tiles of 1 and 3 slots in batches
     # of a few tiles
-    from sparseops.nsa import torch_impl
-
     kind = layout.rstrip("0123456789")
-    _force_layout(monkeypatch, "tiles" if kind == "tile" else kind)
+    _force_layout(override, "tiles" if kind == "tile" else kind)
     if kind in ("span", "union"):
-        monkeypatch.setattr(torch_impl, "CHUNK_BYTES", 2**15)
+        override(torch_plan.SETTINGS, chunk_bytes=2**15)
     else:
-        monkeypatch.setattr(torch_impl, "TILE", int(layout[len(kind):]))
+        override(torch_plan.SETTINGS, tile=int(layout[len(kind):]))
     if kind == "global":
-        monkeypatch.setattr(torch_impl, "CHUNK_BYTES", 2**14)  # chunks of a few tokens, batches of a few tiles
-    _autograd_matches_reference(_inputs(case, torch.float64, seed=11), seed=3)
+        override(torch_plan.SETTINGS, chunk_bytes=2**14)  # chunks of a few tokens, batches of a few tiles
+    _autograd_matches_reference(_case_inputs(case, torch.float64, seed=11), seed=3)
     if layout == "span":  # chunks across a sequence boundary take the gathered union
         assert "span" in layouts and layouts <= {"span", "union"}
     else:
@@ -285,15 +273,13 @@ def test_small_g_dense_selection_takes_a_span(layouts):
     # G = 1 with every token picking most of its visible blocks: tiles would gather a block per slot (memory
     # bound); the plan takes the selection's span of the block buffer instead (no gather), never across a
     # sequence boundary, and its results and gradients (deterministic or not) match the reference
-    from sparseops.nsa import torch_impl
-
     case = ("G1-dense", [300, 200], None, 4, 4, 32, 16, 16, 12, True, 0.0, False)
-    a = _inputs(case, torch.float64, seed=5)
+    a = _case_inputs(case, torch.float64, seed=5)
     q, k, v, kw = _split(a)
     cu = normalize_cu_seqlens("q", kw["actual_seq_qlen"], q.shape[0])
-    plan = torch_impl._Plan(q, k, kw["topk_indices"], 16, cu, cu, True)
+    plan = torch_plan.Plan(q, k, kw["topk_indices"], 16, cu, cu, True)
     spans = [(t0, t1, job) for t0, t1, job in plan.jobs(2**12, 1)
-             if isinstance(job, torch_impl._UnionJob) and job.span]
+             if isinstance(job, torch_jobs.UnionJob) and job.span]
     assert spans and all(job.gathered == 0 for _, _, job in spans)
     assert all(t1 <= 300 or t0 >= 300 for t0, t1, _ in spans)  # never across the sequence boundary
     layouts.clear()
@@ -309,60 +295,23 @@ def test_small_g_dense_selection_takes_a_span(layouts):
 
 
 @pytest.mark.parametrize("pattern", ["uniform", "nsa"])
-def test_tile_chunks_sharing_little_are_tiled_globally(pattern, monkeypatch, layouts):
+def test_tile_chunks_sharing_little_are_tiled_globally(pattern, override, layouts):
     """Chunks of 8 tokens that draw 4 of up to 38 blocks each share almost none (G * share ~ 5), while the call
     shares ~60 slots per block: their tiles are built over all of them at once (forward and backward), and the
     results are the reference's. NSA-like selections (neighbours share their blocks) keep the union layout."""
-    from sparseops.nsa import torch_impl
-
-    monkeypatch.setattr(torch_impl, "CHUNK_BYTES", 48 * 2**10)
+    override(torch_plan.SETTINGS, chunk_bytes=48 * 2**10)
     a = make_nsa_inputs([600, 7], N1=4, N2=1, Dqk=16, Dv=8, bs=16, K=4, dtype=torch.float64, seed=5)
     a["topk_indices"] = make_topk_indices([600, 7], [600, 7], N2=1, K=4, bs=16, pattern=pattern, seed=5)
     _autograd_matches_reference(a, seed=2)
     assert ("global" in layouts) == (pattern == "uniform"), layouts
 
 
-def _one_job(topk, N1, N2, S, bs=16, D=8):
-    """The torch plan's job for one sequence of ``S`` queries and keys (non-causal), all in one chunk."""
-    from sparseops.nsa import torch_impl
-
-    q, k = torch.zeros(S, N1, D), torch.zeros(S, N2, D)
-    ((_, _, job),) = list(torch_impl._Plan(q, k, topk, bs, [0, S], [0, S], False).jobs(1, 1))
-    return job
-
-
-def test_union_limit_rises_for_small_g():
-    # every token takes 1 of 8 blocks (round robin): the union of a chunk is all 8, 8x the live keys. That is
-    # past UNION_WASTE (2), so G = 16 runs tiles; for G = 1 (limit 8) the span is cheaper than tiles that
-    # gather a block per slot
-    from sparseops.nsa import torch_impl
-
-    S = 128
-    topk = (torch.arange(S) % 8).view(S, 1, 1).expand(S, 2, 1).to(torch.int32).contiguous()
-    assert isinstance(_one_job(topk, 32, 2, S), torch_impl._Job)
-    job = _one_job(topk, 2, 2, S)
-    assert isinstance(job, torch_impl._UnionJob) and job.span == (0, 8)
-
-
-def test_gathered_union_when_the_span_is_much_wider():
-    # every token takes blocks 0 and 6: the gathered union has 2 blocks, the span 7. Within G = 1's limit (8)
-    # but 3.5x the gathered blocks, where a gather costs little next to 128 tokens' compute (SPAN_SLACK)
-    from sparseops.nsa import torch_impl
-
-    S = 128
-    topk = torch.tensor([0, 6], dtype=torch.int32).expand(S, 1, 2).contiguous()
-    job = _one_job(topk, 1, 1, S)
-    assert isinstance(job, torch_impl._UnionJob) and job.span is None and job.nblk == 2
-    topk = torch.tensor([0, 1], dtype=torch.int32).expand(S, 1, 2).contiguous()
-    assert _one_job(topk, 1, 1, S).span == (0, 2)  # as narrow as the gathered union: a span
-
-
 @pytest.mark.parametrize("layout", ["default", "span", "union", "tiles", "global"])
-def test_huge_finite_keys_out_of_sight_give_finite_results(layout, monkeypatch):
+def test_huge_finite_keys_out_of_sight_give_finite_results(layout, override):
     # fp32 keys so large that q.k overflows to +-inf, in rows no query sees: a causally masked row of a
     # selected block, and a whole sequence that has keys but no queries (a span across it would read it with
     # weight 0). The -inf mask must not turn +inf into NaN: outputs and gradients stay finite in every layout
-    _force_layout(monkeypatch, layout)
+    _force_layout(override, layout)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(8, 1, 16, generator=g)
     k, v = torch.randn(96, 1, 16, generator=g), torch.randn(96, 1, 16, generator=g)
@@ -385,11 +334,11 @@ def test_huge_finite_keys_out_of_sight_give_finite_results(layout, monkeypatch):
 
 
 @pytest.mark.parametrize("layout", ["default", "span", "union", "tiles", "global"])
-def test_ids_out_of_range_unvalidated_act_as_empty_slots(layout, monkeypatch):
+def test_ids_out_of_range_unvalidated_act_as_empty_slots(layout, override):
     """validate=False with ids past a sequence's blocks, below -1, or outside int32 (undefined behaviour): every
     layout gives the results of those slots left empty (-1), bitwise; ``2**60 - 2**36`` (``id * bs`` wraps to
     a negative position) used to pass as live and fail with an IndexError deep in torch."""
-    _force_layout(monkeypatch, layout)
+    _force_layout(override, layout)
     a = make_nsa_inputs([9, 14], [20, 40], N1=4, N2=2, Dqk=16, Dv=8, bs=16, K=2, seed=4)
     bad = a["topk_indices"].to(torch.int64)
     empty = bad.clone()
@@ -412,7 +361,7 @@ def test_ids_out_of_range_unvalidated_act_as_empty_slots(layout, monkeypatch):
 def test_very_negative_scores_give_exact_zeros():
     # scores far below the row max (exp underflows; the backend clamps the exponent for speed) must still give
     # the reference's probabilities, and invisible keys exactly 0 gradient
-    a = _inputs(CASES[3], torch.float32, seed=2)
+    a = _case_inputs(CASES[3], torch.float32, seed=2)
     q, k, v, kw = _split(a)
     k = k.clone()
     k[::3] *= 60.0
@@ -427,16 +376,14 @@ def test_very_negative_scores_give_exact_zeros():
         assert torch.isfinite(x).all()
 
 
-def test_small_chunks_give_the_same_result(monkeypatch):
+def test_small_chunks_give_the_same_result(override):
     # forces many chunks (one token each) through the chunk loop, incl. chunks with nothing visible
-    from sparseops.nsa import torch_impl
-
-    a = _inputs(CASES[0], torch.float64)
+    a = _case_inputs(CASES[0], torch.float64)
     q, k, v, kw = _split(a)
     q.requires_grad_()
     out, m, l = sparseops.nsa_selected_attention(q, k, v, **kw)
     (g,) = torch.autograd.grad(out, q, torch.ones_like(out))
-    monkeypatch.setattr(torch_impl, "CHUNK_BYTES", 1)
+    override(torch_plan.SETTINGS, chunk_bytes=1)
     out2, m2, l2 = sparseops.nsa_selected_attention(q, k, v, **kw)
     (g2,) = torch.autograd.grad(out2, q, torch.ones_like(out2))
     assert_close(out2, out, name="out")
@@ -444,22 +391,19 @@ def test_small_chunks_give_the_same_result(monkeypatch):
     assert_close(g2, g, name="dq")
 
 
-def test_chunks_whose_gathered_blocks_pass_the_budget_are_split(monkeypatch):
+def test_chunks_whose_gathered_blocks_pass_the_budget_are_split(override):
     # G = 1, few tokens per sequence, non-causal: each slot gathers its own block, which the per-slot budget of
     # chunks() does not count; jobs() halves such chunks (down to one token) and the results stay the same
-    from sparseops.nsa import torch_impl
-
     case = ("G1-short-q-long-kv", [3, 2, 4, 1], [60, 70, 33, 48], 2, 2, 16, 8, 16, 3, False, 0.0, True)
-    a = _inputs(case, torch.float64)
+    a = _case_inputs(case, torch.float64)
     dout = torch.randn(a["query"].shape[0], 2, 8, dtype=torch.float64)
     want = _ref(a, dout)
-    monkeypatch.setattr(torch_impl, "CHUNK_BYTES", 32768)
-    monkeypatch.setattr(torch_impl, "GATHER_BYTES", 32768)
-    monkeypatch.setattr(torch_impl, "SPAN", False)  # a span (a view of the buffer) gathers nothing
+    # a span (a view of the buffer) gathers nothing: off
+    override(torch_plan.SETTINGS, chunk_bytes=32768, gather_bytes=32768, span=False)
     q, k, v, kw = _split(a)
     cu_q = normalize_cu_seqlens("q", kw["actual_seq_qlen"], q.shape[0])
     cu_kv = normalize_cu_seqlens("kv", kw["actual_seq_kvlen"], k.shape[0])
-    plan = torch_impl._Plan(q, k, kw["topk_indices"], 16, cu_q, cu_kv, False)
+    plan = torch_plan.Plan(q, k, kw["topk_indices"], 16, cu_q, cu_kv, False)
     per_block = 16 * (16 + 8) * 8
     per_slot = 1 * (16 + 2 * 8 + 16) * 8  # the forward's: G * (Dqk + 2 Dv + bs) * elt
     assert len(plan.chunks(per_slot)) == 1  # all 10 tokens fit the per-slot budget
@@ -478,7 +422,7 @@ def test_chunks_whose_gathered_blocks_pass_the_budget_are_split(monkeypatch):
 
 
 def test_atten_mask_is_accepted_and_never_read():
-    a = _inputs(CASES[0], torch.float32)
+    a = _case_inputs(CASES[0], torch.float32)
     q, k, v, kw = _split(a)
     ref = sparseops.nsa_selected_attention(q, k, v, **kw)
     for mask in (torch.ones(4, 4, dtype=torch.bool), torch.zeros(2048, 2048, dtype=torch.uint8)):
@@ -488,7 +432,7 @@ def test_atten_mask_is_accepted_and_never_read():
 
 
 def test_triton_backend_request_is_clear():
-    a = _inputs(CASES[5], torch.float32)
+    a = _case_inputs(CASES[5], torch.float32)
     q, k, v, kw = _split(a)
     with pytest.raises(ValueError, match="backend"):
         sparseops.nsa_selected_attention(q, k, v, backend="triton", **kw)

@@ -102,12 +102,12 @@ def _opcheck_args(name):
 
     si = torch_impl.sorted_indices_from(d["indices"])
     if name == "moe_permute":
-        return (d["tokens"], si, d["probs"], 2, 1, 9, "torch")
+        return (d["tokens"], si, d["probs"], 2, 1, 9, "torch", False)
     if name == "moe_unpermute":
-        return (torch.randn(8, 3), si, d["probs"], 2, 1, 9, "torch")
+        return (torch.randn(8, 3), si, d["probs"], 2, 1, 9, "torch", False)
     if name == "moe_unpermute_grad":
-        return (torch.randn(5, 3), si, torch.randn(8, 3), d["probs"], 2, 1, 9, "torch")
-    return (torch.randn(8, 3), si, torch.randn(8), 2, 1, 9, "torch")
+        return (torch.randn(5, 3), si, torch.randn(8, 3), d["probs"], 2, 1, 9, "torch", False)
+    return (torch.randn(8, 3), si, torch.randn(8), 2, 1, 9, "torch", False)
 
 
 def test_double_backward_is_a_clear_error():
@@ -141,3 +141,11 @@ def test_compiled_function_calling_a_grad_op_on_inputs_that_require_grad():
         res.append((out.detach(), tg.detach(), t.grad))
     for name, x, y in zip(("out", "tg", "tokens.grad"), *res):
         assert_close(y, x, torch.float32, name=name)
+
+
+def test_one_dim_indices_mean_k1():
+    d = make_moe_inputs(7, 1, 5, dtype=torch.float64)
+    a = moe_token_permute_with_ep(d["tokens"], d["indices"][:, 0], d["probs"][:, 0], backend="torch")
+    b = moe_token_permute_with_ep(d["tokens"], d["indices"], d["probs"], backend="torch")
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)

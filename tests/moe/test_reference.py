@@ -1,4 +1,4 @@
-"""The CANN doc test vectors of spec/moe.md §1, §3.3 and §3.4, verbatim, on every CPU backend."""
+"""The CANN doc test vectors of docs/moe.md, verbatim, on the reference and the torch backend."""
 
 import pytest
 import torch

@@ -1,8 +1,8 @@
 """The seed op's compiled CPU kernel (``sparseops._compile``, torch.compile / inductor) against the float64
 reference and against the eager path; its switches and its fallback.
 
-The kernel is taken from ``R * H >= _COMPILED_MIN_ELEMENTS`` elements; these tests lower that threshold to 0 so
-that small odd shapes reach it. Each dtype compiles once per process (a few seconds).
+The kernel is taken from ``R * H >= compiled_min_elements`` elements (``torch_impl.SETTINGS``); these tests
+lower that threshold to 0 so that small odd shapes reach it. Each dtype compiles once per process (a few seconds).
 """
 
 import warnings
@@ -28,13 +28,13 @@ SHAPES = [
 
 
 @pytest.fixture
-def compiled(monkeypatch):
-    monkeypatch.setattr(torch_impl, "_COMPILED_MIN_ELEMENTS", 0)
+def compiled(override, monkeypatch):
+    override(torch_impl.SETTINGS, compiled_min_elements=0)
     monkeypatch.delenv("SPARSEOPS_COMPILE", raising=False)
     return torch_impl._unpermute_grad_fused
 
 
-def _case(T, K, H, rng, dtype, seed=0, zero_probs=False):
+def _seed_case(T, K, H, rng, dtype, seed=0, zero_probs=False):
     d = make_moe_inputs(T, K, H, num_experts=max(8, K + 1), dtype=dtype, seed=seed, distinct_experts=True)
     probs = d["probs"].clone()
     if zero_probs:
@@ -51,7 +51,7 @@ def _seed(g, si, pt, probs, rng, K, backend="torch"):
 @pytest.mark.parametrize("T,K,H,rng", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_compiled_kernel_matches_float64_reference(compiled, T, K, H, rng, dtype):
-    g, si, pt, probs = _case(T, K, H, rng, dtype, zero_probs=True)
+    g, si, pt, probs = _seed_case(T, K, H, rng, dtype, zero_probs=True)
     before = compiled.calls
     ptg, pg = _seed(g, si, pt, probs, rng, K)
     assert compiled.failed is None
@@ -67,7 +67,7 @@ def test_compiled_and_eager_paths_agree(compiled, monkeypatch, dtype):
     """Same expressions, fp32 math, one rounding: ptg is bitwise the eager result; probs_grad sums in another
     order, so it agrees to the dtype's tolerance."""
     T, K, H, rng = 40, 8, 72, [30, 290]
-    g, si, pt, probs = _case(T, K, H, rng, dtype, seed=3)
+    g, si, pt, probs = _seed_case(T, K, H, rng, dtype, seed=3)
     before = compiled.calls
     a = _seed(g, si, pt, probs, rng, K)
     assert compiled.calls == before + 1
@@ -80,7 +80,7 @@ def test_compiled_and_eager_paths_agree(compiled, monkeypatch, dtype):
 
 def test_compiled_kernel_is_deterministic(compiled):
     T, K, H, rng = 50, 8, 256, None
-    g, si, pt, probs = _case(T, K, H, rng, torch.bfloat16, seed=4)
+    g, si, pt, probs = _seed_case(T, K, H, rng, torch.bfloat16, seed=4)
     a = _seed(g, si, pt, probs, rng, K)
     b = _seed(g, si, pt, probs, rng, K)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
@@ -90,7 +90,7 @@ def test_compiled_kernel_writes_every_output_element(compiled, monkeypatch):
     """Outputs start as NaN; every element must be overwritten (window rows by the kernel, probs_grad of
     slots outside the window by the zero fill)."""
     T, K, H, rng = 33, 4, 40, [7, 100]
-    g, si, pt, probs = _case(T, K, H, rng, torch.float32, seed=6)
+    g, si, pt, probs = _seed_case(T, K, H, rng, torch.float32, seed=6)
     _seed(g, si, pt, probs, rng, K)  # compiled before torch.empty is patched
     real_empty = torch.empty
 
@@ -104,14 +104,14 @@ def test_compiled_kernel_writes_every_output_element(compiled, monkeypatch):
     assert not torch.isnan(ptg).any() and not torch.isnan(pg).any()
 
 
-def test_small_and_float64_calls_stay_eager(monkeypatch):
+def test_small_and_float64_calls_stay_eager(override, monkeypatch):
     kern = torch_impl._unpermute_grad_fused
     before = kern.calls
-    g, si, pt, probs = _case(7, 2, 5, None, torch.float32)  # R * H = 70, under the default threshold
+    g, si, pt, probs = _seed_case(7, 2, 5, None, torch.float32)  # R * H = 70, under the default threshold
     _seed(g, si, pt, probs, None, 2)
-    monkeypatch.setattr(torch_impl, "_COMPILED_MIN_ELEMENTS", 0)
+    override(torch_impl.SETTINGS, compiled_min_elements=0)
     _seed(g.to(F64), si, pt.to(F64), probs.to(F64), None, 2)  # float64: eager
-    g1, si1, pt1, p1 = _case(1, 4, 8, None, torch.float32)  # T = 1: inductor would specialise, eager
+    g1, si1, pt1, p1 = _seed_case(1, 4, 8, None, torch.float32)  # T = 1: inductor would specialise, eager
     _seed(g1, si1, pt1, p1, None, 4)
     assert kern.calls == before
 
@@ -119,7 +119,7 @@ def test_small_and_float64_calls_stay_eager(monkeypatch):
 @pytest.mark.parametrize("dtype,probs_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float16)])
 def test_compiled_kernel_with_a_probs_dtype_of_its_own(compiled, dtype, probs_dtype):
     T, K, H, rng = 21, 4, 40, [3, 70]
-    g, si, pt, probs = _case(T, K, H, rng, dtype, seed=7)
+    g, si, pt, probs = _seed_case(T, K, H, rng, dtype, seed=7)
     probs = probs.to(probs_dtype)
     before = compiled.calls
     ptg, pg = _seed(g, si, pt, probs, rng, K)
@@ -130,7 +130,7 @@ def test_compiled_kernel_with_a_probs_dtype_of_its_own(compiled, dtype, probs_dt
     assert_close(pg, want_pg, probs_dtype, name="probs_grad")
 
 
-def test_a_failed_compile_warns_once_and_falls_back(monkeypatch):
+def test_a_failed_compile_warns_once_and_falls_back(override, monkeypatch):
     """No C++ compiler (or any inductor failure): one RuntimeWarning, then the eager path, same results."""
 
     def broken_compile(fn, **kwargs):
@@ -142,9 +142,9 @@ def test_a_failed_compile_warns_once_and_falls_back(monkeypatch):
     monkeypatch.setattr(_compile.torch, "compile", broken_compile)
     kern = _compile.CompiledKernel(torch_impl._unpermute_grad_fused.fn, "test_kernel")
     monkeypatch.setattr(torch_impl, "_unpermute_grad_fused", kern)
-    monkeypatch.setattr(torch_impl, "_COMPILED_MIN_ELEMENTS", 0)
+    override(torch_impl.SETTINGS, compiled_min_elements=0)
     T, K, H, rng = 9, 2, 12, None
-    g, si, pt, probs = _case(T, K, H, rng, torch.float32, seed=8)
+    g, si, pt, probs = _seed_case(T, K, H, rng, torch.float32, seed=8)
     with pytest.warns(RuntimeWarning, match="test_kernel failed for dtypes .*no C\\+\\+ compiler found"):
         got = _seed(g, si, pt, probs, rng, K)
     assert kern.failed == "RuntimeError: no C++ compiler found"
@@ -171,7 +171,7 @@ def test_compiled_kernel_inside_a_compiled_caller(compiled):
     """A user's torch.compile'd function calls the op: the custom op runs its kernel at run time, where the
     compiled CPU kernel is used as in eager mode."""
     T, K, H, rng = 24, 4, 48, [5, 80]
-    g, si, pt, probs = _case(T, K, H, rng, torch.float32, seed=9)
+    g, si, pt, probs = _seed_case(T, K, H, rng, torch.float32, seed=9)
 
     @torch.compile(fullgraph=True, dynamic=False)
     def step(g, pt, probs):
@@ -190,7 +190,7 @@ def test_compiled_kernel_under_autograd_and_inference_mode(compiled):
     from sparseops import moe_token_unpermute_with_ep
 
     T, K, H, rng = 30, 4, 40, [9, 101]
-    g, si, pt, probs = _case(T, K, H, rng, torch.float32, seed=10)
+    g, si, pt, probs = _seed_case(T, K, H, rng, torch.float32, seed=10)
     x = pt.clone().requires_grad_()
     p = probs.clone().requires_grad_()
     before = compiled.calls
@@ -206,16 +206,16 @@ def test_compiled_kernel_under_autograd_and_inference_mode(compiled):
     assert torch.equal(got[0], dx)
 
 
-def test_each_dtype_has_its_own_recompile_budget(monkeypatch):
+def test_each_dtype_has_its_own_recompile_budget(override, monkeypatch):
     """With dynamo's recompile limit at 1, fp32 then bf16 calls both compile: each dtype combination gets its
     own code object (its own cache), so one dtype never uses up another's budget."""
     import torch._dynamo
 
     kern = _compile.CompiledKernel(torch_impl._unpermute_grad_fused.fn, "budget_test")
     monkeypatch.setattr(torch_impl, "_unpermute_grad_fused", kern)
-    monkeypatch.setattr(torch_impl, "_COMPILED_MIN_ELEMENTS", 0)
+    override(torch_impl.SETTINGS, compiled_min_elements=0)
     for i, dtype in enumerate((torch.float32, torch.bfloat16)):
-        g, si, pt, probs = _case(11, 2, 24, None, dtype, seed=12)
+        g, si, pt, probs = _seed_case(11, 2, 24, None, dtype, seed=12)
         with warnings.catch_warnings(), torch._dynamo.config.patch(recompile_limit=1):
             warnings.simplefilter("error", RuntimeWarning)
             got = _seed(g, si, pt, probs, None, 2)
@@ -229,7 +229,7 @@ def test_disabled_dynamo_keeps_the_eager_path(compiled):
     eager chunk loop is used instead."""
     import torch._dynamo
 
-    g, si, pt, probs = _case(9, 2, 12, None, torch.float32, seed=13)
+    g, si, pt, probs = _seed_case(9, 2, 12, None, torch.float32, seed=13)
     before = compiled.calls
     with torch._dynamo.config.patch(disable=True):
         got = _seed(g, si, pt, probs, None, 2)
@@ -251,8 +251,8 @@ KSUM_SHAPES = [
 
 
 @pytest.fixture
-def ksum(monkeypatch):
-    monkeypatch.setattr(torch_impl, "_COMPILED_MIN_ELEMENTS", 0)
+def ksum(override, monkeypatch):
+    override(torch_impl.SETTINGS, compiled_min_elements=0)
     monkeypatch.delenv("SPARSEOPS_COMPILE", raising=False)
     return torch_impl._sum_over_k_fused
 
@@ -263,7 +263,7 @@ def test_ksum_kernel_matches_float64_reference(ksum, T, K, H, rng, with_probs, d
     """unpermute (weighted, zero probs skipped) and permute_grad (plain sum) through the compiled kernel."""
     from sparseops import moe_token_permute_with_ep_grad, moe_token_unpermute_with_ep
 
-    g, si, pt, probs = _case(T, K, H, rng, dtype, zero_probs=True)
+    g, si, pt, probs = _seed_case(T, K, H, rng, dtype, zero_probs=True)
     p = probs if with_probs else None
     before = ksum.calls
     out = moe_token_unpermute_with_ep(pt, si, p, K, rng, backend="torch")
@@ -284,7 +284,7 @@ def test_ksum_kernel_never_multiplies_dead_or_zero_prob_rows(ksum):
     from sparseops import moe_token_unpermute_with_ep
 
     T, K, H = 20, 2, 40
-    g, si, pt, probs = _case(T, K, H, None, torch.float32, seed=14)
+    g, si, pt, probs = _seed_case(T, K, H, None, torch.float32, seed=14)
     probs = probs.clone()
     probs[3, 1] = 0.0
     probs[5, 0] = 0.0
@@ -301,11 +301,11 @@ def test_ksum_kernel_never_multiplies_dead_or_zero_prob_rows(ksum):
 def test_ksum_kernel_is_deterministic_and_skips_large_k(ksum):
     from sparseops import moe_token_unpermute_with_ep
 
-    g, si, pt, probs = _case(30, 8, 64, [10, 200], torch.bfloat16, seed=15)
+    g, si, pt, probs = _seed_case(30, 8, 64, [10, 200], torch.bfloat16, seed=15)
     a = moe_token_unpermute_with_ep(pt, si, probs, 8, [10, 200], backend="torch")
     b = moe_token_unpermute_with_ep(pt, si, probs, 8, [10, 200], backend="torch")
     assert torch.equal(a, b)
-    g, si, pt, probs = _case(6, 17, 8, None, torch.float32, seed=16)  # K = 17 > _COMPILED_MAX_K: eager
+    g, si, pt, probs = _seed_case(6, 17, 8, None, torch.float32, seed=16)  # K = 17 > _COMPILED_MAX_K: eager
     before = ksum.calls
     got = moe_token_unpermute_with_ep(pt, si, probs, 17, backend="torch")
     assert ksum.calls == before

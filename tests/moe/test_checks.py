@@ -1,16 +1,19 @@
-"""Bad input (spec/moe.md §5): the exception type, a message that names the argument, caller tensors untouched."""
-
-import sys
+"""``sparseops.moe.checks`` through the public ops: bad input (docs/moe.md) raises the right exception with a message
+naming the argument and leaves the caller's tensors untouched; misuse that used to pass silently (a contradicting
+``topk_num``, expert ids past ``num_experts``) raises on every backend before anything is written."""
 
 import pytest
 import torch
 
+import sparseops
 from sparseops import (
     moe_token_permute_with_ep,
     moe_token_permute_with_ep_grad,
     moe_token_unpermute_with_ep,
     moe_token_unpermute_with_ep_grad,
 )
+from sparseops.moe import checks
+from sparseops.testing import assert_close, make_moe_inputs
 
 T, K, H = 3, 2, 4
 N = T * K
@@ -141,31 +144,30 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("op,override,exc,text", BAD)
-def test_bad_input(op, override, exc, text):
+@pytest.mark.parametrize("op,change,exc,text", BAD)
+def test_bad_input(op, change, exc, text, untouched):
     d = _good()
-    kw = override(d)
-    before = {k: v.clone() for k, v in d.items()}
-    before_kw = {k: v.clone() for k, v in kw.items() if isinstance(v, torch.Tensor)}
+    kw = change(d)
+    check = untouched({**d, **{k: v for k, v in kw.items() if isinstance(v, torch.Tensor)}})
     with pytest.raises(exc) as info:
         op(d, backend=kw.pop("backend", "torch"), **kw)
     assert text in str(info.value), str(info.value)
-    for k, v in before.items():
-        assert torch.equal(d[k], v), f"caller tensor {k} was modified"
-    for k, v in before_kw.items():
-        assert torch.equal(_dense(kw[k]), _dense(v)), f"caller tensor {k} was modified"
+    check()
 
 
-def _dense(t):
-    return t.to_dense() if t.layout != torch.strided else t
-
-
-def test_good_inputs_pass():
+@pytest.mark.parametrize("op", [permute, unpermute, unpermute_grad, permute_grad],
+                         ids=["permute", "unpermute", "unpermute-grad", "permute-grad"])
+def test_good_inputs_pass(op):
+    # the inputs every bad case starts from are valid: the torch path returns the reference's result
     d = _good()
-    permute(d, backend="torch")
-    unpermute(d, backend="torch")
-    unpermute_grad(d, backend="torch")
-    permute_grad(d, backend="torch")
+    got, want = op(d, backend="torch"), op(d, backend="reference")
+    got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+    assert len(got) == len(want) and all(g is not None for g in got)
+    for x, y in zip(got, want):
+        if x.is_floating_point():
+            assert_close(x, y, x.dtype)
+        else:
+            assert torch.equal(x, y)  # sorted_indices
 
 
 def test_validate_false_skips_value_checks_only():
@@ -175,30 +177,6 @@ def test_validate_false_skips_value_checks_only():
     # ... while shape checks still run
     with pytest.raises(ValueError, match="sorted_indices"):
         unpermute(d, sorted_indices=d["si"][:5], validate=False, backend="torch")
-
-
-def test_triton_on_cpu_is_a_clear_error():
-    d = _good()
-    with pytest.raises(ValueError, match="backend"):
-        unpermute_grad(d, backend="triton")
-
-
-def _without_triton_module(monkeypatch):
-    """``from . import triton_impl`` in ``sparseops.moe.api`` fails, even after another test imported it."""
-    import sparseops.moe
-    from sparseops.moe import api
-
-    monkeypatch.setitem(sys.modules, "sparseops.moe.triton_impl", None)
-    monkeypatch.delattr(sparseops.moe, "triton_impl", raising=False)
-    monkeypatch.setattr(api, "_BACKEND_MODULES", {k: v for k, v in api._BACKEND_MODULES.items() if k != "triton"})
-
-
-def test_missing_triton_module_is_a_clear_error(monkeypatch):
-    from sparseops.moe import api
-
-    _without_triton_module(monkeypatch)
-    with pytest.raises(ValueError, match="backend: 'triton'"):
-        api._backend_module("triton")
 
 
 def test_empty_tokens_are_legal():
@@ -215,13 +193,100 @@ def test_empty_tokens_are_legal():
     assert tg.shape == (0, H) and pg2.shape == (0, K)
 
 
-def test_auto_falls_back_to_torch_when_the_triton_module_is_missing(monkeypatch):
-    from sparseops import _checks
+# ---- misuse that used to pass silently ----
+
+BACKENDS = ["torch", "reference"]
+
+
+def _permuted(T=6, K=2, H=4):
+    d = make_moe_inputs(T, K, H, num_experts=4, dtype=torch.float32, seed=1)
+    pt, si, _ = moe_token_permute_with_ep(d["tokens"], d["indices"], d["probs"], backend="torch")
+    return d, pt, si
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_topk_num_contradicting_probs_is_an_error(backend):
+    d, pt, si = _permuted()
+    with pytest.raises(ValueError, match=r"topk_num: expected 1 \(the default\) or K = probs.shape\[1\] = 2 .*got 3"):
+        moe_token_unpermute_with_ep(pt, si, d["probs"], topk_num=3, backend=backend)
+    g = torch.randn(6, 4)
+    with pytest.raises(ValueError, match=r"topk_num: .*= 2 .*got 3"):
+        moe_token_unpermute_with_ep_grad(g, si, pt, d["probs"], topk_num=3, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_topk_num_agreeing_with_probs_or_left_at_1_gives_the_same_result(backend):
+    # 1 is the default and what CANN's own example passes with K = 3 probs: it defers to probs
+    d, pt, si = _permuted()
+    want = moe_token_unpermute_with_ep(pt, si, d["probs"], backend=backend)
+    assert torch.equal(moe_token_unpermute_with_ep(pt, si, d["probs"], topk_num=2, backend=backend), want)
+    g = torch.randn(6, 4)
+    a = moe_token_unpermute_with_ep_grad(g, si, pt, d["probs"], backend=backend)
+    b = moe_token_unpermute_with_ep_grad(g, si, pt, d["probs"], topk_num=2, backend=backend)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_expert_ids_past_num_experts_are_an_error_before_anything_is_written(backend, monkeypatch):
+    d = make_moe_inputs(5, 2, 3, num_experts=4, dtype=torch.float32, seed=2)
+    idx = d["indices"].clone()
+    idx[3, 1] = 10**6
+    calls = []
+    monkeypatch.setattr(sparseops.moe.api, "_permute_op", lambda *a: calls.append(a))
+    with pytest.raises(ValueError, match=r"indices: expected expert ids < num_experts = 4, got 1000000 at \[3, 1\]"):
+        moe_token_permute_with_ep(d["tokens"], idx, d["probs"], num_experts=4, backend=backend)
+    assert calls == []  # no backend ran
+    with pytest.raises(ValueError, match="num_experts: expected >= 1, got 0"):
+        moe_token_permute_with_ep(d["tokens"], d["indices"], num_experts=0, backend=backend)
+    with pytest.raises(TypeError, match="num_experts: expected an int"):
+        moe_token_permute_with_ep(d["tokens"], d["indices"], num_experts=4.0, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_num_experts_accepts_ids_below_it_and_changes_nothing(backend):
+    d = make_moe_inputs(5, 2, 3, num_experts=4, dtype=torch.float32, seed=2)
+    a = moe_token_permute_with_ep(d["tokens"], d["indices"], d["probs"], backend=backend)
+    b = moe_token_permute_with_ep(d["tokens"], d["indices"], d["probs"], num_experts=4, backend=backend)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    one_d = moe_token_permute_with_ep(d["tokens"], d["indices"][:, 0], num_experts=4, backend=backend)
+    assert one_d[0].shape == (5, 3)
+
+
+def test_num_experts_is_checked_with_the_other_index_values():
+    # validate=False skips the data-dependent checks, this one too (the type is still checked)
+    d = make_moe_inputs(5, 2, 3, num_experts=4, dtype=torch.float32, seed=2)
+    idx = d["indices"].clone()
+    idx[0, 0] = 7
+    moe_token_permute_with_ep(d["tokens"], idx, num_experts=4, validate=False, backend="torch")
+    assert checks.check_num_experts(idx, None, True) is None
+    with pytest.raises(ValueError, match=r"got 7 at \[0, 0\]"):
+        checks.check_num_experts(idx, 4, True)
+
+
+def test_unpermute_docstrings_say_the_window_default_first():
+    # after a windowed permute, an unpermute without range reads [0, R): said in the docstring's first lines
+    for fn in (moe_token_unpermute_with_ep, moe_token_unpermute_with_ep_grad):
+        head = "\n".join(fn.__doc__.strip().splitlines()[:5])
+        assert "Without ``range`` the window is ``[0, R)``" in head, fn.__name__
+        assert "pass" in head and "range" in head
+
+
+def test_public_check_names():
+    # the CANN layer reuses these instead of a copy of its own
+    for name in ("check_permute_args", "check_unpermute_args", "check_unpermute_grad_args",
+                 "check_permute_grad_args", "normalize_range", "check_num_experts"):
+        assert callable(getattr(checks, name)), name
     from sparseops.moe import api
 
-    _without_triton_module(monkeypatch)
-    monkeypatch.setattr(_checks, "resolve_backend", lambda backend, device: "triton" if backend == "auto" else backend)
-    d = _good()
-    assert api._check_backend("auto", d["grad"]) == "torch"
-    with pytest.raises(ValueError, match="backend: 'triton'"):
-        api._check_backend("triton", d["grad"])
+    assert api.check_permute_args is checks.check_permute_args  # the old import path, for one step
+
+
+def test_meta_tensors_skip_the_data_checks():
+    # shape inference on meta tensors: the checks that read index data cannot run (there is none)
+    m = {"device": "meta"}
+    pt, si, pp = moe_token_permute_with_ep(torch.empty(3, 4, **m), torch.empty(3, 2, dtype=torch.int32, **m),
+                                           torch.empty(3, 2, **m), backend="torch")
+    assert (pt.shape, si.shape, pp.shape) == ((6, 4), (6,), (6,))
+    out = moe_token_unpermute_with_ep(pt, si, torch.empty(3, 2, **m), backend="torch")
+    assert out.shape == (3, 4) and out.device.type == "meta"
