@@ -1,4 +1,4 @@
-"""The CANN two-phase API (spec/moe.md §6, spec/nsa.md §7): results equal the Python ops bit for bit, every
+"""The CANN two-phase API (docs/aclnn.md): results equal the Python ops bit for bit, every
 status code is reached by a real bad call (data errors included: phase 1 validates everything), executors
 run once, nothing is written when a call fails."""
 
@@ -119,7 +119,7 @@ def test_unpermute_grad_without_probs_and_doc_vector():
     ptg, pg = sparseops.moe_token_unpermute_with_ep_grad(d["grad"], d["sorted_indices"], range=RANGE, topk_num=K)
     assert pg is None
     assert same_bits(args[8][:R], ptg)
-    # spec/moe.md §3.3 doc test vector
+    # the doc test vector of docs/moe.md (unpermute grad)
     out, pg_out = empty_like_poisoned((3, 2), torch.float32), empty_like_poisoned((1, 3), torch.float32)
     run_pair(
         "MoeTokenUnpermuteWithEpGrad", torch.ones(1, 2), torch.tensor([0, 1, 2], dtype=torch.int32),
@@ -167,7 +167,7 @@ def test_permute_grad_matches_python_and_doc_vector():
         d["ptokens_full"][:R], d["sorted_indices"], ppg[:R], K, range=RANGE
     )
     assert same_bits(tg, ref_tg) and same_bits(pg, ref_pg)
-    # spec/moe.md §3.4 doc test vector
+    # the doc test vector of docs/moe.md (permute grad)
     tg, pg = empty_like_poisoned((3, 2), torch.float32), empty_like_poisoned((3, 2), torch.float32)
     run_pair(
         "MoeTokenPermuteWithEpGrad", torch.tensor([[2.0, 2], [1, 1], [3, 3], [2, 2]]),
@@ -373,7 +373,7 @@ def test_bad_call_status_message_and_no_write(make, status, words):
     assert msg is not None and f"aclnn{name}" in msg
     for w in words:
         assert w in msg, msg
-    assert not re.search(r"\b(\w+): \1:", msg), msg  # the argument is named once ("key: key: ..." was not)
+    assert not re.search(r"\b(\w+): \1:", msg), msg  # the argument is named once (never "key: key: ...")
     for i, t in before.items():
         assert same_bits(args[i], t), f"out argument {i} was written by a failed call"
 
@@ -460,3 +460,18 @@ def test_never_raises_on_garbage():
     assert phase1("MoeTokenUnpermuteWithEpGrad", *(["x"] * 10))[0] == ACLNN_ERR_PARAM_INVALID
     assert phase1("NsaSelectedAttentionGrad", *([None] * 20))[0] == ACLNN_ERR_PARAM_NULLPTR
     assert aclnn.aclnnNsaSelectedAttention("x", "y", "z", None) == ACLNN_ERR_PARAM_INVALID
+
+
+def test_each_operator_keeps_cann_names_and_parameter_order():
+    """The generic phase-1 / phase-2 wrappers keep CANN's function names and parameter names, in order."""
+    import inspect
+
+    for name in [n for n in aclnn.__all__ if n.startswith("aclnn") and not n.endswith("GetWorkspaceSize")]:
+        run = getattr(aclnn, name)
+        assert run.__name__ == name and run.__doc__.startswith("Phase 2 of")
+        assert list(inspect.signature(run).parameters) == ["workspace", "workspaceSize", "executor", "stream"]
+        first = getattr(aclnn, name + "GetWorkspaceSize")
+        assert first.__name__ == name + "GetWorkspaceSize" and first.__doc__.startswith("Phase 1 of")
+    params = list(inspect.signature(aclnn.aclnnMoeTokenUnpermuteWithEpGetWorkspaceSize).parameters)
+    assert params == ["permutedTokens", "sortedIndices", "probsOptional", "numTopk", "rangeOptional", "paddedMode",
+                      "restoreShapeOptional", "out"]
