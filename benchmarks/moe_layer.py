@@ -22,7 +22,6 @@ Run: ``python benchmarks/moe_layer.py [--quick | --smoke] [--out DIR] [--no-peer
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import gc
 import json
@@ -31,13 +30,15 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if (ROOT / "src" / "sparseops").is_dir() and str(ROOT / "src") not in sys.path:
-    sys.path.insert(0, str(ROOT / "src"))
+if __package__:
+    from . import _common
+else:
+    import _common
+
+# after _common, which puts a source checkout's src/ first on sys.path
 
 from sparseops.nn import MoELayer  # noqa: E402
 from sparseops.nn.reference import moe_reference  # noqa: E402
@@ -77,17 +78,7 @@ def matmul_rate(dtype: torch.dtype, n: int, runs: int) -> float:
 
 
 def environment() -> dict:
-    try:
-        import subprocess
-
-        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=10).stdout.strip() or None
-    except Exception:
-        commit = None
-    try:
-        load = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        load = None
+    commit, load = _common.git_commit(), _common.loadavg()
     return {"date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "device": "cpu",
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(), "git_commit": commit, "loadavg_start": load}
@@ -331,14 +322,8 @@ def markdown(record: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="smaller shapes (about a minute)")
-    mode.add_argument("--smoke", action="store_true", help="tiny shapes: checks that the script runs")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="results folder")
-    p.add_argument("--no-peers", action="store_true", help="skip the transformers block")
+    p = _common.make_parser(__doc__.splitlines()[0])
     p.add_argument("--no-ep", action="store_true", help="skip the EP = 2 traffic run")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(N) first")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -369,8 +354,9 @@ def main(argv=None) -> int:
         env["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     except OSError:
         pass
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "moe_layer.json"
+    out = _common.out_dir(args)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "moe_layer.json"
     runs_so_far = json.loads(path.read_text()) if path.exists() else []
     path.write_text(json.dumps(runs_so_far + [record], indent=1) + "\n")
     print(markdown(record))
