@@ -143,21 +143,61 @@ def attention_backward(q, k, v, o, lse, do, chunks, kstep, span, scale):
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
-class ChunkedAttention(torch.autograd.Function):
-    """Differentiable in q, k and v; ``lse`` is not differentiable."""
+def _plan(q, cu, cu_k, l, d, window):
+    """The chunks and the key rule: ``window > 0`` the sliding window, else the compressed blocks of ``(l, d)``."""
+    elt = 8 if q.dtype == torch.float64 else 4
+    if window > 0:
+        return window_chunks(cu, window, q.shape[1], elt), 1, window
+    return compressed_chunks(cu, cu_k, l, d, q.shape[1], elt), d, None
 
-    @staticmethod
-    def forward(ctx, q, k, v, chunks, kstep, span, scale):
-        o, lse = attention_forward(q, k, v, chunks, kstep, span, scale)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = (chunks, kstep, span, scale)
-        ctx.mark_non_differentiable(lse)
-        return o, lse
 
-    @staticmethod
-    def backward(ctx, do, dlse):
-        q, k, v, o, lse = ctx.saved_tensors
-        if do is None:
-            return None, None, None, None, None, None, None
-        dq, dk, dv = attention_backward(q, k, v, o, lse, do, *ctx.args)
-        return dq, dk, dv, None, None, None, None
+# Custom ops: torch.compile sees one opaque node per call (the chunk plan reads the settings and loops in Python).
+@torch.library.custom_op("sparseops::nsa_chunked_attention_fwd", mutates_args=())
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], cu_k: list[int], l: int, d: int,
+            window: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    chunks, kstep, span = _plan(q, cu, cu_k, l, d, window)
+    return attention_forward(q, k, v, chunks, kstep, span, scale)
+
+
+@_fwd_op.register_fake
+def _(q, k, v, cu, cu_k, l, d, window, scale):
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty(q.shape[:2], dtype=stats_dtype(q.dtype))
+
+
+@torch.library.custom_op("sparseops::nsa_chunked_attention_bwd", mutates_args=())
+def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
+            cu: list[int], cu_k: list[int], l: int, d: int, window: int,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    chunks, kstep, span = _plan(q, cu, cu_k, l, d, window)
+    return attention_backward(q, k, v, o, lse, do, chunks, kstep, span, scale)
+
+
+@_bwd_op.register_fake
+def _(q, k, v, o, lse, do, cu, cu_k, l, d, window, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu, cu_k, l, d, window, scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.args = (cu, cu_k, l, d, window, scale)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(o)
+    dq, dk, dv = _bwd_op(q, k, v, o, lse, do.contiguous(), *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def chunked_attention(q, k, v, cu: list[int], cu_k: list[int], l: int, d: int, window: int, scale: float):
+    """``(o [T, N1, Dv], lse [T, N1])``: the sliding window of ``window`` keys (``window > 0``, keys are tokens,
+    ``cu_k = cu``), else the compressed blocks ``(l, d)`` (keys are blocks, ``cu_k`` their cumulative counts).
+    Differentiable in q, k and v; ``lse`` is not."""
+    return _fwd_op(q, k, v, list(cu), list(cu_k), l, d, window, float(scale))

@@ -74,6 +74,4 @@ def compressed_attention(
         ``(o [T, N1, Dv]`` in q's dtype, ``lse [T, N1]`` fp32, float64 for float64 inputs; not differentiable).
     """
     cu, cu_cmp, l, d, scale = check_cmp_args(q, k_cmp, v_cmp, cu_seqlens, cu_seqlens_cmp, block_size, stride, scale)
-    elt = 8 if q.dtype == torch.float64 else 4
-    chunks = _ca.compressed_chunks(cu, cu_cmp, l, d, q.shape[1], elt)
-    return _ca.ChunkedAttention.apply(q, k_cmp, v_cmp, chunks, d, None, scale)
+    return _ca.chunked_attention(q, k_cmp, v_cmp, cu, cu_cmp, l, d, 0, scale)

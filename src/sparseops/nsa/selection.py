@@ -21,6 +21,27 @@ def importance_weights(block_size: int, stride: int, select_block_size: int) -> 
     return w
 
 
+def block_importance(P: torch.Tensor, block_size: int, stride: int, select_block_size: int, nsel: int) -> torch.Tensor:
+    """Eq. 9: ``S[..., i] = sum_{a < l'/d} sum_{b < l/d} P[..., i*l'/d + a - b]`` (indices in ``[0, C)``), as one
+    strided ``conv1d`` with :func:`importance_weights`.
+
+    Args:
+        P: ``[..., C]`` float compressed-block probabilities, ``C <= nsel * l' / d``.
+        block_size, stride, select_block_size: ``l``, ``d``, ``l'`` with ``d | l`` and ``d | l'``.
+        nsel: the number of selection blocks to score.
+
+    Returns:
+        ``S [..., nsel]`` in P's dtype.
+    """
+    r, s = select_block_size // stride, block_size // stride
+    weights = importance_weights(block_size, stride, select_block_size)
+    kern = torch.tensor(weights, dtype=P.dtype, device=P.device).view(1, 1, -1)
+    C = P.shape[-1]
+    need = nsel * r + s - 1
+    x = torch.nn.functional.pad(P.reshape(-1, 1, C), (s - 1, max(0, need - C - (s - 1))))
+    return torch.nn.functional.conv1d(x[..., :need], kern, stride=r).view(*P.shape[:-1], nsel)
+
+
 def select_blocks(
     q: torch.Tensor,
     k_cmp: torch.Tensor,
@@ -85,9 +106,6 @@ def _select(q, k_cmp, lse, cu, cu_cmp, l, d, lb, n, init, local, scale):
     cdt = stats_dtype(q.dtype)
     dev = q.device
     out = torch.full((T, n2, n), -1, dtype=torch.int32, device=dev)
-    weights = importance_weights(l, d, lb)
-    r, s = lb // d, l // d
-    kern = torch.tensor(weights, dtype=cdt, device=dev).view(1, 1, -1)
     budget = _ca.SETTINGS.get().chunk_bytes
     elt = 8 if cdt == torch.float64 else 4
     lse_safe = torch.where(lse == float("-inf"), float("inf"), lse.to(cdt))
@@ -106,9 +124,7 @@ def _select(q, k_cmp, lse, cu, cu_cmp, l, d, lb, n, init, local, scale):
                 sc = _ca._masked_scores(qh, k_cmp[c:c + nv].to(cdt), chunk, d, None, tq)
                 lc = lse_safe[st + p0:st + p1].view(tq, n2, -1).transpose(0, 1)[..., None]
                 P = sc.sub_(lc).exp_().sum(2).transpose(0, 1)  # [tq, N2, nv]
-                need = (nsel - 1) * r + len(weights)
-                P = torch.nn.functional.pad(P.reshape(tq * n2, 1, nv), (s - 1, max(0, need - nv - (s - 1))))
-                S = torch.nn.functional.conv1d(P[..., :need], kern, stride=r).view(tq, n2, nsel)
+                S = block_importance(P, l, d, lb, nsel)
             else:
                 S = torch.zeros((tq, n2, nsel), dtype=cdt, device=dev)
             blk = torch.arange(nsel, device=dev)

@@ -49,7 +49,4 @@ def sliding_window_attention(
     w = _checks.check_int("window", window, lo=1)
     scale = check_scale(scale, Dqk)
     cu = cu_seqlens_list("cu_seqlens", cu_seqlens, T)
-    elt = 8 if q.dtype == torch.float64 else 4
-    chunks = _ca.window_chunks(cu, w, N1, elt)
-    o, _ = _ca.ChunkedAttention.apply(q, k, v, chunks, 1, w, scale)
-    return o
+    return _ca.chunked_attention(q, k, v, cu, cu, 1, 1, w, scale)[0]
