@@ -1,4 +1,4 @@
-"""The CANN two-phase API (spec/moe.md §6, spec/nsa.md §7): results equal the Python ops bit for bit, every
+"""The CANN two-phase API (docs/aclnn.md): results equal the Python ops bit for bit, every
 status code is reached by a real bad call (data errors included: phase 1 validates everything), executors
 run once, nothing is written when a call fails."""
 
@@ -460,3 +460,18 @@ def test_never_raises_on_garbage():
     assert phase1("MoeTokenUnpermuteWithEpGrad", *(["x"] * 10))[0] == ACLNN_ERR_PARAM_INVALID
     assert phase1("NsaSelectedAttentionGrad", *([None] * 20))[0] == ACLNN_ERR_PARAM_NULLPTR
     assert aclnn.aclnnNsaSelectedAttention("x", "y", "z", None) == ACLNN_ERR_PARAM_INVALID
+
+
+def test_each_operator_keeps_cann_names_and_parameter_order():
+    """The generic phase-1 / phase-2 wrappers keep CANN's function names and parameter names, in order."""
+    import inspect
+
+    for name in [n for n in aclnn.__all__ if n.startswith("aclnn") and not n.endswith("GetWorkspaceSize")]:
+        run = getattr(aclnn, name)
+        assert run.__name__ == name and run.__doc__.startswith("Phase 2 of")
+        assert list(inspect.signature(run).parameters) == ["workspace", "workspaceSize", "executor", "stream"]
+        first = getattr(aclnn, name + "GetWorkspaceSize")
+        assert first.__name__ == name + "GetWorkspaceSize" and first.__doc__.startswith("Phase 1 of")
+    params = list(inspect.signature(aclnn.aclnnMoeTokenUnpermuteWithEpGetWorkspaceSize).parameters)
+    assert params == ["permutedTokens", "sortedIndices", "probsOptional", "numTopk", "rangeOptional", "paddedMode",
+                      "restoreShapeOptional", "out"]
