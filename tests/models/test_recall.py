@@ -12,20 +12,23 @@ def _sample(task: RecallTask, B: int = 8, seed: int = 0):
     return task.sample(B, torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("task", [RecallTask(), RecallTask(seq_len=96, num_pairs=3, num_queries=5, num_keys=4,
-                                                               num_values=2, num_filler=1)],
-                         ids=["demo", "tiny-one-filler"])
+@pytest.mark.parametrize("task", [RecallTask(), RecallTask(seq_len=40, num_pairs=3, num_queries=9, num_keys=4,
+                                                               num_values=2, num_filler=1, pair_spacing=2)],
+                         ids=["demo", "back-to-back-one-filler"])
 def test_targets_are_the_stored_values(task):
     b = _sample(task)
     B, L, P = b.cu_seqlens.numel() - 1, task.seq_len, task.num_pairs
     assert b.cu_seqlens.tolist() == [L * i for i in range(B + 1)] and b.cu_seqlens.dtype == torch.int32
     tok, tgt = b.tokens.view(B, L), b.targets.view(B, L)
-    keys, vals = tok[:, 0:2 * P:2], tok[:, 1:2 * P:2]
+    S = task.pair_spacing
+    keys, vals = tok[:, 0:P * S:S], tok[:, 1:P * S:S]
     assert ((keys >= 0) & (keys < task.num_keys)).all()
     assert ((vals >= task.num_keys) & (vals < task.num_keys + task.num_values)).all()
     assert all(len(set(row.tolist())) == P for row in keys)  # distinct keys: one answer per key
-    filler = tok[:, 2 * P:L - task.num_queries]
-    assert (filler >= task.num_keys + task.num_values).all() and (filler < task.vocab_size).all()
+    filler = torch.ones(L, dtype=torch.bool)
+    filler[0:P * S:S] = filler[1:P * S:S] = False
+    filler[L - task.num_queries:] = False
+    assert (tok[:, filler] >= task.num_keys + task.num_values).all() and (tok[:, filler] < task.vocab_size).all()
     qpos = task.query_positions()
     assert qpos.tolist() == list(range(L - task.num_queries, L))
     asked = (tgt != IGNORE_INDEX)
@@ -67,7 +70,8 @@ def test_chance_and_vocab():
 @pytest.mark.parametrize("kw, match", [
     ({"num_pairs": 0}, "num_pairs"),
     ({"num_pairs": 40, "num_keys": 32}, "num_pairs"),
-    ({"seq_len": 90, "num_pairs": 16, "num_queries": 64}, "seq_len"),
+    ({"pair_spacing": 1}, "pair_spacing"),
+    ({"seq_len": 140, "num_pairs": 8, "pair_spacing": 16, "num_queries": 32}, "seq_len"),
     ({"num_values": 2.5}, "num_values"),
 ])
 def test_bad_sizes(kw, match):

@@ -1,17 +1,19 @@
 """A synthetic associative-recall task, generated on the fly from a seed (docs/demo.md).
 
-Each sequence stores ``num_pairs`` key-value pairs at its start and ends with ``num_queries`` query keys drawn
-(with replacement) from those pairs; random filler tokens lie in between, so the answers sit further back than a
-sliding window reaches::
+Each sequence stores ``num_pairs`` key-value pairs in its first part, one pair at the start of every
+``pair_spacing`` tokens, and ends with ``num_queries`` query keys drawn (with replacement) from those pairs;
+random filler tokens lie everywhere else, so the answers sit further back than a sliding window reaches::
 
-    position  0   1   2   3  ...        filler ...        L-4 L-3 L-2 L-1
-    token     k7  v2  k1  v9  ...  f3 f0 f5 f1 ...  f2 ...  k1  k7  k7  k1
-    target                                                  v9  v2  v2  v9
+    pair_spacing = 4:
+    position  0   1   2   3   4   5   6   7  ...   filler ...   L-4 L-3 L-2 L-1
+    token     k7  v2  f3  f1  k1  v9  f0  f2 ...  f3 f0 f5 ...   k1  k7  k7  k1
+    target                                                       v9  v2  v2  v9
 
 At each query key the model must predict the value stored with it (the target); all other positions carry the
 ignore index ``-100``. The query region holds keys only, so no answer is ever inside a window. Keys of a
 sequence are distinct; values are drawn with replacement, so a model that cannot see the pairs does no better
-than ``chance = 1 / num_values``.
+than ``chance = 1 / num_values``. With ``pair_spacing`` equal to the NSA compression block (and stride), each
+compressed block holds one whole pair, which the compressed branch can look up in one step (docs/demo.md).
 
 Vocabulary: ``[0, num_keys)`` keys, ``[num_keys, num_keys + num_values)`` values, then ``num_filler`` filler
 tokens.
@@ -41,29 +43,34 @@ class RecallTask:
 
     Args:
         seq_len: ``L``, tokens per sequence.
-        num_pairs: key-value pairs stored at positions ``0 .. 2*num_pairs - 1``.
+        num_pairs: key-value pairs, pair i at positions ``i*pair_spacing`` (key) and ``i*pair_spacing + 1``.
         num_queries: query keys in the last ``num_queries`` positions.
+        pair_spacing: tokens from one pair to the next (``>= 2``; 2 packs the pairs back to back).
         num_keys, num_values, num_filler: sizes of the three token ranges of the vocabulary.
     """
 
     seq_len: int = 256
-    num_pairs: int = 16
-    num_queries: int = 64
+    num_pairs: int = 8
+    num_queries: int = 32
     num_keys: int = 32
     num_values: int = 16
     num_filler: int = 16
+    pair_spacing: int = 16
 
     def __post_init__(self):
-        for name in ("seq_len", "num_pairs", "num_queries", "num_keys", "num_values", "num_filler"):
+        for name in ("seq_len", "num_pairs", "num_queries", "num_keys", "num_values", "num_filler",
+                     "pair_spacing"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
         if self.num_pairs > self.num_keys:
             raise ValueError(f"num_pairs: expected <= num_keys = {self.num_keys} (distinct keys), "
                              f"got {self.num_pairs}")
+        if self.pair_spacing < 2:
+            raise ValueError(f"pair_spacing: expected an int >= 2 (a key and its value), got {self.pair_spacing}")
         if self.min_distance < 1:
-            raise ValueError(f"seq_len: expected > 2 * num_pairs + num_queries = "
-                             f"{2 * self.num_pairs + self.num_queries}, got {self.seq_len}")
+            raise ValueError(f"seq_len: expected > (num_pairs - 1) * pair_spacing + 2 + num_queries = "
+                             f"{self.seq_len - self.min_distance + 1}, got {self.seq_len}")
 
     @property
     def vocab_size(self) -> int:
@@ -79,11 +86,11 @@ class RecallTask:
     def min_distance(self) -> int:
         """The smallest distance from a query key to the position of its stored value.
 
-        The first query sits at ``L - num_queries``, the last stored value at ``2*num_pairs - 1``. A stack of
+        The first query sits at ``L - num_queries``, the last stored value at ``(num_pairs-1)*pair_spacing + 1``. A stack of
         ``n`` sliding-window layers of width ``w`` sees ``n*(w - 1)`` positions back, so the task needs
         ``min_distance > n*(w - 1)`` to be out of a window model's reach.
         """
-        return self.seq_len - self.num_queries - (2 * self.num_pairs - 1)
+        return self.seq_len - self.num_queries - ((self.num_pairs - 1) * self.pair_spacing + 1)
 
     def query_positions(self) -> torch.Tensor:
         """``[num_queries]`` int64: the in-sequence positions of the query keys (where the targets are)."""
@@ -107,7 +114,7 @@ class RecallTask:
         values = self.num_keys + torch.randint(0, self.num_values, (B, P), generator=generator)
         asked = torch.randint(0, P, (B, Q), generator=generator)
         rows = torch.arange(B)[:, None]
-        pair_pos = 2 * torch.arange(P)
+        pair_pos = self.pair_spacing * torch.arange(P)
         tokens[rows, pair_pos] = keys
         tokens[rows, pair_pos + 1] = values
         qpos = self.query_positions()

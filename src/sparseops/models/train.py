@@ -130,6 +130,9 @@ def train(model_cfg: LMConfig, task: RecallTask, cfg: TrainConfig, *, dtype: tor
         ce = F.cross_entropy(logits, targets.to(device), ignore_index=IGNORE_INDEX, reduction="sum") / n_targets
         opt.zero_grad(set_to_none=False)
         (ce + aux).backward()
+        for p in replicated + experts:  # parameters of a branch the ablation does not compute
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         if ep_group is not None:
             for p in replicated:
                 dist.all_reduce(p.grad, group=ep_group)
@@ -170,9 +173,13 @@ def train_expert_parallel(model_cfg: LMConfig, task: RecallTask, cfg: TrainConfi
 def demo_setup(quick: bool = False, steps: int | None = None, seed: int = 0) -> tuple[RecallTask, LMConfig,
                                                                                        TrainConfig]:
     """The task, model and training settings of ``sparseops demo`` (``quick``: the short run of the tests)."""
-    task = RecallTask()
-    model = LMConfig(vocab_size=task.vocab_size)
-    train_cfg = TrainConfig(steps=40 if quick else 300, seed=seed, eval_sequences=64 if quick else 256)
+    task = RecallTask(seq_len=128, num_pairs=4, num_queries=32, num_keys=32, num_values=16, num_filler=16,
+                      pair_spacing=16)
+    model = LMConfig(vocab_size=task.vocab_size, window_size=16, rope_theta=None)
+    if quick:
+        train_cfg = TrainConfig(steps=30, batch_size=8, lr=5e-3, seed=seed, eval_sequences=32, eval_batch=32)
+    else:
+        train_cfg = TrainConfig(steps=600, batch_size=8, lr=5e-3, seed=seed)
     if steps is not None:
         train_cfg = dataclasses.replace(train_cfg, steps=steps)
     return task, model, train_cfg
