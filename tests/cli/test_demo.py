@@ -33,6 +33,7 @@ def test_quick_run_schema_and_ep(tmp_path, capsys):
         assert _is_float(r[key]["recall"]) and 0.0 <= r[key]["recall"] <= 1.0
         assert sum(r[key]["loss"][-5:]) < sum(r[key]["loss"][:5])  # it learns (the value distribution at least)
     assert r["ep"]["world_size"] == 2 and _is_float(r["ep"]["max_abs_loss_diff"])
+    assert r["ep"]["check_steps"] == steps  # the quick run is shorter than EP_CHECK_STEPS: every step checked
     assert r["ep"]["max_rel_loss_diff"] <= demo.EP_RTOL["float32"]
     assert r["config"]["chance"] == pytest.approx(1 / r["config"]["task"]["num_values"])
     assert _is_float(r["seconds"]) and r["seconds"] > 0
