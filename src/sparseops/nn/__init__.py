@@ -3,7 +3,8 @@
 from .balancing import update_expert_bias
 from .experts import GroupedExperts
 from .moe_layer import MoEAux, MoELayer, SharedExpert
+from .native_sparse_attention import NativeSparseAttention
 from .router import RouterOutput, TopKRouter
 
-__all__ = ["GroupedExperts", "MoEAux", "MoELayer", "RouterOutput", "SharedExpert", "TopKRouter",
-           "update_expert_bias"]
+__all__ = ["GroupedExperts", "MoEAux", "MoELayer", "NativeSparseAttention", "RouterOutput", "SharedExpert",
+           "TopKRouter", "update_expert_bias"]

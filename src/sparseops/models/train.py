@@ -1,0 +1,185 @@
+"""Training, evaluation and the expert-parallel run of the demo model on the recall task (docs/demo.md).
+
+One step: draw the global batch of ``batch_size`` sequences from the step's seed, keep this rank's share (all of
+it in one process; rank r of ``ep`` ranks takes sequences ``[r*B/ep, (r+1)*B/ep)``), and minimise
+
+    loss = (sum of the cross-entropies at the query keys of the global batch) / (their count) + aux loss,
+
+then all-reduce the gradients of the replicated parameters (every parameter but the routed experts', whose
+gradients :class:`sparseops.nn.MoELayer` already sums over the group), clip the global gradient norm and take an
+AdamW step. The sum of the ranks' losses is the one-process loss, so the EP run follows the one-process run step
+by step up to rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .lm import CausalLM, LMConfig, expert_parameter, load_full_state
+from .recall import IGNORE_INDEX, RecallTask
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation settings: AdamW with linear warm-up then cosine decay to 0, global-norm clipping."""
+
+    steps: int = 300
+    batch_size: int = 16
+    lr: float = 3e-3
+    warmup: int = 20
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    seed: int = 0
+    eval_sequences: int = 256
+    eval_batch: int = 64
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """``lr * min(1, (step+1)/warmup) * (1 + cos(pi * step / steps)) / 2``."""
+    warm = min(1.0, (step + 1) / max(cfg.warmup, 1))
+    return cfg.lr * warm * 0.5 * (1.0 + math.cos(math.pi * step / cfg.steps))
+
+
+def build_model(model_cfg: LMConfig, seed: int, dtype: torch.dtype, device, ep_group=None) -> CausalLM:
+    """The model as seeded in one process; under EP every rank loads its own experts from that same state."""
+    torch.manual_seed(seed)
+    full = CausalLM(model_cfg, device=device, dtype=dtype)
+    if ep_group is None:
+        return full
+    model = CausalLM(model_cfg, ep_group=ep_group, device=device, dtype=dtype)
+    load_full_state(model, full.state_dict())
+    return model
+
+
+def _shard(batch, rank: int, world: int, seq_len: int):
+    """This rank's consecutive share of the batch's sequences, packed again."""
+    B = batch.cu_seqlens.numel() - 1
+    if B % world:
+        raise ValueError(f"batch_size: expected a multiple of the EP size {world}, got {B}")
+    lo, hi = rank * B // world * seq_len, (rank + 1) * B // world * seq_len
+    cu = torch.arange(B // world + 1, dtype=torch.int32) * seq_len
+    return batch.tokens[lo:hi], batch.targets[lo:hi], cu
+
+
+def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(t, group=group)
+    return t
+
+
+@torch.no_grad()
+def recall(model: CausalLM, task: RecallTask, cfg: TrainConfig, device, group=None) -> float:
+    """Recall on ``eval_sequences`` held-out sequences: the share of query keys whose argmax is their value."""
+    gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
+    rank, world = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+    was_training = model.training
+    model.eval()
+    hits = torch.zeros(2, dtype=torch.float64)
+    for _ in range(max(1, cfg.eval_sequences // cfg.eval_batch)):
+        tokens, targets, cu = _shard(task.sample(cfg.eval_batch, gen), rank, world, task.seq_len)
+        logits, _ = model(tokens.to(device), cu.to(device))
+        asked = targets != IGNORE_INDEX
+        hits[0] += (logits.argmax(-1).cpu()[asked] == targets[asked]).sum().item()
+        hits[1] += asked.sum().item()
+    model.train(was_training)
+    _all_reduce(hits, group)
+    return float(hits[0] / hits[1])
+
+
+def train(model_cfg: LMConfig, task: RecallTask, cfg: TrainConfig, *, dtype: torch.dtype = torch.float32,
+          device=None, ep_group=None, compile: bool = False,
+          on_step: Callable[[int, float, float], None] | None = None) -> dict:
+    """Train one model from its seed and evaluate its recall.
+
+    Args:
+        model_cfg, task, cfg: the model, the task and the optimisation.
+        dtype: of the parameters and activations (float32 or float64).
+        device: where to run (None: the CPU).
+        ep_group: run expert-parallel over this group (each rank calls ``train``), or None.
+        compile: run the model under ``torch.compile``.
+        on_step: called as ``on_step(step, loss, tokens_per_second)`` after each step (rank 0 under EP).
+
+    Returns:
+        ``{"loss": [float per step], "recall": float, "seconds": float, "tokens_per_second": float}``.
+    """
+    device = torch.device("cpu") if device is None else torch.device(device)
+    rank, world = (0, 1) if ep_group is None else (dist.get_rank(ep_group), dist.get_world_size(ep_group))
+    model = build_model(model_cfg, cfg.seed, dtype, device, ep_group)
+    run = torch.compile(model) if compile else model
+    named = list(model.named_parameters())
+    replicated = [p for n, p in named if not expert_parameter(n)]
+    experts = [p for n, p in named if expert_parameter(n)]
+    opt = torch.optim.AdamW([p for _, p in named], lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    n_targets = cfg.batch_size * task.num_queries
+    losses = []
+    start = time.perf_counter()
+    for step in range(cfg.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        tokens, targets, cu = _shard(task.sample(cfg.batch_size, gen), rank, world, task.seq_len)
+        logits, aux = run(tokens.to(device), cu.to(device))
+        ce = F.cross_entropy(logits, targets.to(device), ignore_index=IGNORE_INDEX, reduction="sum") / n_targets
+        opt.zero_grad(set_to_none=False)
+        (ce + aux).backward()
+        for p in replicated + experts:  # parameters of a branch the ablation does not compute
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if ep_group is not None:
+            for p in replicated:
+                dist.all_reduce(p.grad, group=ep_group)
+        norm_sq = torch.stack([torch.stack([p.grad.pow(2).sum() for p in replicated]).sum(),
+                               _all_reduce(torch.stack([p.grad.pow(2).sum() for p in experts]).sum(), ep_group)])
+        coef = (cfg.clip / (norm_sq.sum().sqrt() + 1e-6)).clamp(max=1.0)
+        for p in replicated + experts:
+            p.grad.mul_(coef)
+        opt.step()
+        loss = _all_reduce(ce.detach().clone(), ep_group) + aux.detach()
+        losses.append(float(loss))
+        if on_step is not None and rank == 0:
+            elapsed = time.perf_counter() - start
+            on_step(step, losses[-1], (step + 1) * cfg.batch_size * task.seq_len / elapsed)
+    seconds = time.perf_counter() - start
+    return {"loss": losses, "recall": recall(run, task, cfg, device, ep_group), "seconds": seconds,
+            "tokens_per_second": cfg.steps * cfg.batch_size * task.seq_len / seconds}
+
+
+def _ep_worker(rank: int, world_size: int, model_cfg: LMConfig, task: RecallTask, cfg: TrainConfig,
+               dtype: torch.dtype, compile: bool) -> dict:
+    return train(model_cfg, task, cfg, dtype=dtype, ep_group=dist.group.WORLD, compile=compile)
+
+
+def train_expert_parallel(model_cfg: LMConfig, task: RecallTask, cfg: TrainConfig, world_size: int, *,
+                          dtype: torch.dtype = torch.float32, compile: bool = False,
+                          timeout: float = 1800.0) -> dict:
+    """:func:`train` on ``world_size`` spawned CPU processes over gloo, the experts split across them.
+
+    Returns rank 0's result (every rank logs the same losses).
+    """
+    from ..distributed.launch import spawn
+
+    return spawn(_ep_worker, world_size, model_cfg, task, cfg, dtype, compile, backend="gloo",
+                 timeout=timeout)[0]
+
+
+def demo_setup(quick: bool = False, steps: int | None = None, seed: int = 0) -> tuple[RecallTask, LMConfig,
+                                                                                       TrainConfig]:
+    """The task, model and training settings of ``sparseops demo`` (``quick``: the short run of the tests)."""
+    task = RecallTask(seq_len=128, num_pairs=4, num_queries=32, num_keys=32, num_values=16, num_filler=16,
+                      pair_spacing=16)
+    model = LMConfig(vocab_size=task.vocab_size, window_size=16, rope_theta=None)
+    if quick:
+        train_cfg = TrainConfig(steps=30, batch_size=8, lr=5e-3, seed=seed, eval_sequences=32, eval_batch=32)
+    else:
+        train_cfg = TrainConfig(steps=600, batch_size=8, lr=5e-3, seed=seed)
+    if steps is not None:
+        train_cfg = dataclasses.replace(train_cfg, steps=steps)
+    return task, model, train_cfg

@@ -1,0 +1,203 @@
+"""Chunked masked attention: the engine of the compressed and the sliding-window branches (docs/nsa-module.md).
+
+Queries are cut into chunks of consecutive tokens of one sequence; a chunk attends one contiguous range of key
+rows, and a positional rule masks what each query may see: key row ``r`` of a chunk has the *key position*
+``kstart + r * kstep`` (a token's position for the window, the last position of a compressed block for the
+compressed branch), and query position ``p`` sees it iff ``0 <= p - key_position < span``. A chunk's scores are
+one batched matmul ``[N2, Tq*G, Dqk] x [N2, Dqk, Tk]``; its size is bounded by :class:`ChunkSettings`, so no
+``[T, T]`` (or ``[T, C]``) tensor is ever made. The backward recomputes each chunk's probabilities from the
+saved log-sum-exp (flash-attention style) instead of saving them.
+
+Arithmetic is fp32 (float64 for float64 inputs). A query that sees no key gets ``o = 0`` and ``lse = -inf``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .._settings import Settings
+from .module_checks import stats_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkSettings:
+    #: bytes of one chunk's score tensor; the backward holds about three of them
+    chunk_bytes: int = 16 << 20
+    #: most query rows per window chunk: a chunk computes ``rows + w - 1`` keys for ``w`` useful ones, so
+    #: smaller chunks waste less, larger ones make larger matmuls
+    window_rows: int = 256
+
+
+SETTINGS = Settings(ChunkSettings())
+
+#: one chunk: query rows ``[q0, q1)``, key rows ``[k0, k1)``, the in-sequence position of query row q0, and the
+#: key position of key row k0
+Chunk = tuple[int, int, int, int, int, int]
+
+
+def window_chunks(cu: list[int], window: int, n1: int, elt: int) -> list[Chunk]:
+    """Chunks of the sliding window: a chunk of positions ``[p0, p1)`` sees keys ``[max(0, p0 - w + 1), p1)``."""
+    cfg = SETTINGS.get()
+    rows = max(1, min(cfg.window_rows, cfg.chunk_bytes // max(1, n1 * elt * (cfg.window_rows + window - 1))))
+    chunks = []
+    for b in range(len(cu) - 1):
+        s, L = cu[b], cu[b + 1] - cu[b]
+        for p0 in range(0, L, rows):
+            p1 = min(L, p0 + rows)
+            lo = max(0, p0 - window + 1)
+            chunks.append((s + p0, s + p1, s + lo, s + p1, p0, lo))
+    return chunks
+
+
+def compressed_chunks(cu: list[int], cu_cmp: list[int], l: int, d: int, n1: int, elt: int) -> list[Chunk]:
+    """Chunks of the compressed branch: position ``p`` sees blocks ``j`` with ``j*d + l - 1 <= p``; positions
+    ``p < l - 1`` see none and belong to no chunk."""
+    budget = SETTINGS.get().chunk_bytes
+    chunks = []
+    for b in range(len(cu) - 1):
+        s, L, c, C = cu[b], cu[b + 1] - cu[b], cu_cmp[b], cu_cmp[b + 1] - cu_cmp[b]
+        if C == 0:
+            continue
+        rows = max(1, budget // (n1 * elt * C))
+        for p0 in range(l - 1, L, rows):
+            p1 = min(L, p0 + rows)
+            nv = (p1 - 1 - (l - 1)) // d + 1
+            chunks.append((s + p0, s + p1, c, c + nv, p0, l - 1))
+    return chunks
+
+
+def _heads_first(x: torch.Tensor, n2: int) -> torch.Tensor:
+    """``[Tq, N1, D]`` -> ``[N2, Tq*G, D]`` (query head ``n2*G + g`` of token t at row ``t*G + g``)."""
+    Tq, N1, D = x.shape
+    return x.view(Tq, n2, N1 // n2, D).transpose(0, 1).reshape(n2, Tq * (N1 // n2), D)
+
+
+def _tokens_first(x: torch.Tensor, tq: int) -> torch.Tensor:
+    """``[N2, Tq*G, D]`` -> ``[Tq, N1, D]``."""
+    n2, _, D = x.shape
+    return x.view(n2, tq, -1, D).transpose(0, 1).reshape(tq, -1, D)
+
+
+def _masked_scores(qh, kc, chunk, kstep, span, tq):
+    """Scaled scores ``[N2, Tq, G, Tk]`` with invisible keys at ``-inf``."""
+    _, _, k0, k1, qpos0, kstart = chunk
+    n2 = kc.shape[1]
+    s = torch.bmm(qh, kc.permute(1, 2, 0)).view(n2, tq, -1, k1 - k0)
+    dev = qh.device
+    diff = (torch.arange(qpos0, qpos0 + tq, device=dev)[:, None]
+            - torch.arange(kstart, kstart + (k1 - k0) * kstep, kstep, device=dev)[None, :])
+    hidden = diff < 0
+    if span is not None:
+        hidden |= diff >= span
+    return s.masked_fill_(hidden[None, :, None, :], float("-inf"))
+
+
+def attention_forward(q, k, v, chunks, kstep, span, scale):
+    """``(o [T, N1, Dv]`` in q's dtype, ``lse [T, N1]`` fp32/float64) over ``chunks``."""
+    T, N1, _ = q.shape
+    n2, Dv = k.shape[1], v.shape[2]
+    cdt = stats_dtype(q.dtype)
+    o = q.new_zeros((T, N1, Dv))
+    lse = q.new_full((T, N1), float("-inf"), dtype=cdt)
+    for chunk in chunks:
+        q0, q1, k0, k1 = chunk[:4]
+        tq = q1 - q0
+        qh = _heads_first(q[q0:q1].to(cdt), n2) * scale
+        s = _masked_scores(qh, k[k0:k1].to(cdt), chunk, kstep, span, tq)
+        m = s.amax(-1, keepdim=True)
+        m = torch.where(m == float("-inf"), 0.0, m)
+        p = s.sub_(m).exp_()
+        den = p.sum(-1)
+        oc = torch.bmm(p.view(n2, tq * (N1 // n2), k1 - k0), v[k0:k1].to(cdt).transpose(0, 1))
+        oc = oc / torch.where(den > 0, den, 1.0).view(n2, -1, 1)
+        o[q0:q1] = _tokens_first(oc, tq).to(o.dtype)
+        lse[q0:q1] = (m.squeeze(-1) + den.log()).transpose(0, 1).reshape(tq, N1)
+    return o, lse
+
+
+def attention_backward(q, k, v, o, lse, do, chunks, kstep, span, scale):
+    """``(dq, dk, dv)`` of :func:`attention_forward`, recomputing each chunk's probabilities from ``lse``."""
+    n2 = k.shape[1]
+    cdt = stats_dtype(q.dtype)
+    dq = torch.zeros_like(q)
+    dk = torch.zeros(k.shape, dtype=cdt, device=k.device)
+    dv = torch.zeros(v.shape, dtype=cdt, device=v.device)
+    delta = (do.to(cdt) * o.to(cdt)).sum(-1)
+    lse_safe = torch.where(lse == float("-inf"), float("inf"), lse)
+    for chunk in chunks:
+        q0, q1, k0, k1 = chunk[:4]
+        tq, tk = q1 - q0, k1 - k0
+        qh = _heads_first(q[q0:q1].to(cdt), n2) * scale
+        kc, vc = k[k0:k1].to(cdt), v[k0:k1].to(cdt)
+        s = _masked_scores(qh, kc, chunk, kstep, span, tq)
+        p = s.sub_(lse_safe[q0:q1].view(tq, n2, -1).transpose(0, 1)[..., None]).exp_()
+        doh = _heads_first(do[q0:q1].to(cdt), n2)
+        dp = torch.bmm(doh, vc.permute(1, 2, 0)).view(p.shape)
+        ds = dp.sub_(delta[q0:q1].view(tq, n2, -1).transpose(0, 1)[..., None]).mul_(p).view(n2, -1, tk)
+        p = p.view(n2, -1, tk)
+        dq[q0:q1] = (_tokens_first(torch.bmm(ds, kc.transpose(0, 1)), tq) * scale).to(dq.dtype)
+        dk[k0:k1] += torch.bmm(ds.transpose(1, 2), qh).transpose(0, 1)
+        dv[k0:k1] += torch.bmm(p.transpose(1, 2), doh).transpose(0, 1)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _plan(q, cu, cu_k, l, d, window):
+    """The chunks and the key rule: ``window > 0`` the sliding window, else the compressed blocks of ``(l, d)``."""
+    elt = 8 if q.dtype == torch.float64 else 4
+    if window > 0:
+        return window_chunks(cu, window, q.shape[1], elt), 1, window
+    return compressed_chunks(cu, cu_k, l, d, q.shape[1], elt), d, None
+
+
+# Custom ops: torch.compile sees one opaque node per call (the chunk plan reads the settings and loops in Python).
+@torch.library.custom_op("sparseops::nsa_chunked_attention_fwd", mutates_args=())
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], cu_k: list[int], l: int, d: int,
+            window: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    chunks, kstep, span = _plan(q, cu, cu_k, l, d, window)
+    return attention_forward(q, k, v, chunks, kstep, span, scale)
+
+
+@_fwd_op.register_fake
+def _(q, k, v, cu, cu_k, l, d, window, scale):
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty(q.shape[:2], dtype=stats_dtype(q.dtype))
+
+
+@torch.library.custom_op("sparseops::nsa_chunked_attention_bwd", mutates_args=())
+def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
+            cu: list[int], cu_k: list[int], l: int, d: int, window: int,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    chunks, kstep, span = _plan(q, cu, cu_k, l, d, window)
+    return attention_backward(q, k, v, o, lse, do, chunks, kstep, span, scale)
+
+
+@_bwd_op.register_fake
+def _(q, k, v, o, lse, do, cu, cu_k, l, d, window, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu, cu_k, l, d, window, scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.args = (cu, cu_k, l, d, window, scale)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(o)
+    dq, dk, dv = _bwd_op(q, k, v, o, lse, do.contiguous(), *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def chunked_attention(q, k, v, cu: list[int], cu_k: list[int], l: int, d: int, window: int, scale: float):
+    """``(o [T, N1, Dv], lse [T, N1])``: the sliding window of ``window`` keys (``window > 0``, keys are tokens,
+    ``cu_k = cu``), else the compressed blocks ``(l, d)`` (keys are blocks, ``cu_k`` their cumulative counts).
+    Differentiable in q, k and v; ``lse`` is not."""
+    return _fwd_op(q, k, v, list(cu), list(cu_k), l, d, window, float(scale))

@@ -1,0 +1,51 @@
+"""``sparseops demo --quick``: the losses fall, the JSON keeps its schema, the expert-parallel rerun matches."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+
+from sparseops.cli import demo
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="sparseops demo")
+    demo.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def _is_float(x) -> bool:
+    return isinstance(x, float) and math.isfinite(x)
+
+
+@pytest.mark.distributed
+def test_quick_run_schema_and_ep(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    assert demo.run(_args("--quick", "--ep", "2", "--json", str(path), "--out", str(tmp_path))) == 0
+    r = json.loads(path.read_text())
+    assert set(r) >= {"nsa", "window_only", "ep", "seconds", "config"}
+    steps = r["config"]["train"]["steps"]
+    for key in ("nsa", "window_only"):
+        assert len(r[key]["loss"]) == steps and all(_is_float(v) for v in r[key]["loss"])
+        assert _is_float(r[key]["recall"]) and 0.0 <= r[key]["recall"] <= 1.0
+        assert sum(r[key]["loss"][-5:]) < sum(r[key]["loss"][:5])  # it learns (the value distribution at least)
+    assert r["ep"]["world_size"] == 2 and _is_float(r["ep"]["max_abs_loss_diff"])
+    assert r["ep"]["check_steps"] == steps  # the quick run is shorter than EP_CHECK_STEPS: every step checked
+    assert r["ep"]["max_rel_loss_diff"] <= demo.EP_RTOL["float32"]
+    assert r["config"]["chance"] == pytest.approx(1 / r["config"]["task"]["num_values"])
+    assert _is_float(r["seconds"]) and r["seconds"] > 0
+    out = capsys.readouterr().out
+    assert "nsa" in out and "window_only" in out and "EP = 2" in out and "wall time" in out
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "demo.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv, match", [(("--steps", "0"), "--steps"), (("--ep", "3"), "--ep")],
+                         ids=["no-steps", "ep-not-dividing"])
+def test_bad_arguments_write_nothing(tmp_path, argv, match):
+    with pytest.raises(SystemExit, match=match):
+        demo.run(_args(*argv, "--out", str(tmp_path / "o")))
+    assert not (tmp_path / "o").exists()

@@ -1,0 +1,99 @@
+"""compressed_attention against the float64 dense-mask reference: output, lse and gradients; queries that see no
+complete block; every dtype; small chunks; gradcheck; bad input."""
+
+import pytest
+import torch
+
+from sparseops.nsa import chunked_attention, compress_kv, compressed_attention, module_reference
+from sparseops.testing import assert_close
+
+CASES = [
+    # id: what edge it covers; cu_seqlens, N1, N2, Dqk, Dv, l, d
+    ("paper-blocks-G1", [0, 130], 2, 2, 8, 8, 32, 16),
+    ("packed-short-len0-G3", [0, 20, 20, 75, 140], 6, 2, 8, 4, 16, 8),
+    ("fla-l-eq-d-G16", [0, 90], 16, 1, 8, 8, 16, 16),
+    ("all-too-short", [0, 5, 12], 2, 1, 8, 8, 16, 8),
+]
+
+
+def _inputs(cu, N1, N2, Dqk, Dv, l, d, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T = cu[-1]
+    q = torch.randn(T, N1, Dqk, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    k = torch.randn(T, N2, Dqk, generator=g, dtype=torch.float64)
+    v = torch.randn(T, N2, Dv, generator=g, dtype=torch.float64)
+    kc, vc, cu_cmp = compress_kv(k, v, cu, l, d)
+    # spread the compressed keys so that the scores are not all alike
+    kc = (kc * 3).to(dtype).requires_grad_()
+    return q, kc, vc.to(dtype).requires_grad_(), cu_cmp.tolist()
+
+
+@pytest.mark.parametrize("small_chunks", [False, True], ids=["one-chunk", "many-chunks"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_float64_forward_backward(case, small_chunks):
+    _, cu, N1, N2, Dqk, Dv, l, d = case
+    q, kc, vc, cu_cmp = _inputs(cu, N1, N2, Dqk, Dv, l, d)
+    with chunked_attention.SETTINGS.override(chunk_bytes=1 if small_chunks else 16 << 20):
+        o, lse = compressed_attention(q, kc, vc, cu, cu_cmp, l, d)
+        do = torch.randn_like(o)
+        grads = torch.autograd.grad(o, (q, kc, vc), do, allow_unused=True)
+    o_ref, lse_ref = module_reference.compressed_attention(q, kc, vc, cu, cu_cmp, l, d, Dqk ** -0.5)
+    ref_grads = torch.autograd.grad(o_ref, (q, kc, vc), do, allow_unused=True)
+    assert_close(o, o_ref, name="o")
+    assert_close(lse, lse_ref, name="lse")
+    assert not lse.requires_grad
+    for name, a, e in zip(("dq", "dk_cmp", "dv_cmp"), grads, ref_grads):
+        assert_close(a if a is not None else torch.zeros_like(e), e if e is not None else torch.zeros_like(a),
+                     name=name)
+
+
+def test_queries_before_the_first_complete_block():
+    cu = [0, 40]
+    q, kc, vc, cu_cmp = _inputs(cu, 2, 1, 8, 8, 16, 8)
+    o, lse = compressed_attention(q, kc, vc, cu, cu_cmp, 16, 8)
+    # position 14 sees nothing; position 15 sees block 0 ([0, 16)) only, so its output is v_cmp[0]
+    assert torch.equal(o[:15], torch.zeros_like(o[:15]))
+    assert bool((lse[:15] == float("-inf")).all()) and bool(torch.isfinite(lse[15:]).all())
+    assert_close(o[15], vc[0].expand(2, 8), name="o[15]")
+    (dq,) = torch.autograd.grad(o.sum(), (q,))
+    assert torch.equal(dq[:15], torch.zeros_like(dq[:15]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_low_precision_forward(dtype):
+    cu = [0, 70, 100]
+    q, kc, vc, cu_cmp = _inputs(cu, 4, 2, 16, 16, 16, 8, dtype=dtype)
+    o, lse = compressed_attention(q, kc, vc, cu, cu_cmp, 16, 8)
+    o_ref, lse_ref = module_reference.compressed_attention(q, kc, vc, cu, cu_cmp, 16, 8, 0.25)
+    assert o.dtype == dtype and lse.dtype == torch.float32
+    assert_close(o, o_ref, dtype=dtype)
+    assert_close(lse, lse_ref, dtype=dtype, name="lse")
+
+
+def test_gradcheck():
+    cu = [0, 14, 23]
+    q, kc, vc, cu_cmp = _inputs(cu, 2, 1, 4, 3, 4, 2)
+    assert torch.autograd.gradcheck(
+        lambda q, kc, vc: compressed_attention(q, kc, vc, cu, cu_cmp, 4, 2)[0], (q, kc, vc))
+
+
+BAD = [
+    ("cu-cmp-mismatch", dict(cu_seqlens_cmp=[0, 2]), ValueError, "cu_seqlens_cmp"),
+    ("stride-not-dividing", dict(stride=3), ValueError, "stride"),
+    ("k-cmp-head-dim", dict(k_cmp=torch.zeros(3, 1, 5)), ValueError, "k_cmp"),
+    ("v-cmp-blocks", dict(v_cmp=torch.zeros(2, 1, 8)), ValueError, "v_cmp"),
+    ("v-cmp-dtype", dict(v_cmp=torch.zeros(3, 1, 8, dtype=torch.bfloat16)), TypeError, "v_cmp"),
+    ("scale-nan", dict(scale=float("nan")), ValueError, "scale"),
+    ("cu-tuple-of-floats", dict(cu_seqlens=(0, 16.0)), TypeError, "cu_seqlens"),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_input(case):
+    _, changes, exc, name = case
+    # T = 16, l = 8, d = 4: C = 3
+    args = dict(q=torch.zeros(16, 2, 8), k_cmp=torch.zeros(3, 1, 8), v_cmp=torch.zeros(3, 1, 8), cu_seqlens=None,
+                cu_seqlens_cmp=[0, 3], block_size=8, stride=4)
+    args.update(changes)
+    with pytest.raises(exc, match=f"^{name}:"):
+        compressed_attention(**args)

@@ -1,0 +1,90 @@
+"""sliding_window_attention against the float64 dense-mask reference: output and gradients, every dtype, packed
+sequences, small chunks, gradcheck, torch.compile, bad input."""
+
+import pytest
+import torch
+
+from sparseops.nsa import chunked_attention, module_reference, sliding_window_attention
+from sparseops.testing import assert_close
+
+CASES = [
+    # id: what edge it covers; cu_seqlens, N1, N2, Dqk, Dv, window
+    ("w1-itself-only", [0, 9], 2, 1, 8, 8, 1),
+    ("w3-G3-Dv-smaller", [0, 20], 6, 2, 8, 4, 3),
+    ("packed-len0-len1", [0, 7, 7, 8, 40], 4, 2, 16, 8, 5),
+    ("window-longer-than-seq", [0, 13, 30], 3, 3, 8, 8, 100),
+    ("G16", [0, 50], 16, 1, 8, 8, 17),
+]
+
+
+def _inputs(cu, N1, N2, Dqk, Dv, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T = cu[-1]
+    return [torch.randn(T, n, D, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+            for n, D in ((N1, Dqk), (N2, Dqk), (N2, Dv))]
+
+
+@pytest.mark.parametrize("small_chunks", [False, True], ids=["one-chunk", "many-chunks"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_float64_forward_backward(case, small_chunks):
+    _, cu, N1, N2, Dqk, Dv, w = case
+    q, k, v = _inputs(cu, N1, N2, Dqk, Dv)
+    with chunked_attention.SETTINGS.override(chunk_bytes=1 if small_chunks else 16 << 20,
+                                             window_rows=3 if small_chunks else 256):
+        o = sliding_window_attention(q, k, v, torch.tensor(cu, dtype=torch.int32), w)
+        do = torch.randn_like(o)
+        grads = torch.autograd.grad(o, (q, k, v), do)
+    o_ref = module_reference.sliding_window_attention(q, k, v, cu, w, Dqk ** -0.5)
+    ref_grads = torch.autograd.grad(o_ref, (q, k, v), do)
+    assert_close(o, o_ref, name="o")
+    for name, a, e in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(a, e, name=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_low_precision_forward(dtype):
+    q, k, v = _inputs([0, 30, 64], 4, 2, 16, 16, dtype=dtype)
+    o = sliding_window_attention(q, k, v, [0, 30, 64], 9)
+    assert o.dtype == dtype
+    assert_close(o, module_reference.sliding_window_attention(q, k, v, [0, 30, 64], 9, 0.25), dtype=dtype)
+
+
+def test_gradcheck():
+    q, k, v = _inputs([0, 5, 11], 2, 1, 4, 3)
+    assert torch.autograd.gradcheck(lambda q, k, v: sliding_window_attention(q, k, v, [0, 5, 11], 3), (q, k, v))
+
+
+def test_torch_compile_matches_eager():
+    q, k, v = _inputs([0, 24, 40], 4, 2, 8, 8, dtype=torch.float32)
+    fn = torch.compile(lambda q, k, v: sliding_window_attention(q, k, v, [0, 24, 40], 7), backend="eager",
+                       fullgraph=True)
+    o = fn(q, k, v)
+    o.sum().backward()
+    o_eager = sliding_window_attention(q, k, v, [0, 24, 40], 7)
+    assert torch.equal(o, o_eager)
+
+
+BAD = [
+    ("window-0", dict(window=0), ValueError, "window"),
+    ("cu-no-leading-0", dict(cu_seqlens=[3, 10]), ValueError, "cu_seqlens"),
+    ("cu-decreasing", dict(cu_seqlens=[0, 6, 4, 10]), ValueError, "cu_seqlens"),
+    ("cu-wrong-total", dict(cu_seqlens=[0, 9]), ValueError, "cu_seqlens"),
+    ("cu-float", dict(cu_seqlens=torch.tensor([0.0, 10.0])), TypeError, "cu_seqlens"),
+    ("k-dtype", dict(k=torch.zeros(10, 1, 8, dtype=torch.float64)), TypeError, "k"),
+    ("k-2d", dict(k=torch.zeros(10, 8)), ValueError, "k"),
+    ("v-length", dict(v=torch.zeros(9, 1, 8)), ValueError, "v"),
+    ("G-over-32", dict(q=torch.zeros(10, 33, 8)), ValueError, "q"),
+    ("N2-not-dividing", dict(q=torch.zeros(10, 3, 8), k=torch.zeros(10, 2, 8), v=torch.zeros(10, 2, 8)),
+     ValueError, "k"),
+    ("q-int", dict(q=torch.zeros(10, 2, 8, dtype=torch.int32)), TypeError, "q"),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_input(case):
+    _, changes, exc, name = case
+    args = dict(q=torch.zeros(10, 2, 8), k=torch.zeros(10, 1, 8), v=torch.zeros(10, 1, 8), cu_seqlens=None,
+                window=4)
+    args.update(changes)
+    with pytest.raises(exc, match=f"^{name}:"):
+        sliding_window_attention(**args)
