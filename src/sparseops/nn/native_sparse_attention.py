@@ -166,7 +166,7 @@ class NativeSparseAttention(nn.Module):
         l, d, lb = self.compress_block_size, self.compress_stride, self.select_block_size
         q = self.q_proj(x).view(T, N1, Dqk)
         k_c, v_c, k_s, v_s, k_w, v_w = (
-            t.view(T, N2, -1) for t in self.kv_proj(x).split([N2 * Dqk, N2 * Dv] * 3, dim=-1))
+            t.view(T, N2, D) for t, D in zip(self.kv_proj(x).split([N2 * Dqk, N2 * Dv] * 3, dim=-1), [Dqk, Dv] * 3))
         if self.rope_theta is not None:
             pos = token_seq_positions(cu, device=x.device)[1]
             q, k_s, k_w = (apply_rope(t, pos, self.rope_theta) for t in (q, k_s, k_w))
