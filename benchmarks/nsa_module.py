@@ -178,11 +178,11 @@ def timed(fn, runs: int, warmup: int) -> dict:
     return {"median_s": statistics.median(times), "min_s": min(times), "runs": runs, "peak_bytes": peak}
 
 
-def bench_core(T: int, runs: int, stages: bool) -> dict:
+def bench_core(T: int, runs: int, stages: bool, warmup: int | None = None) -> dict:
     q, k, v, gates, do = make_inputs(T)
     ours = lambda: fwd_bwd(lambda q, k, v: core(q, k, v, gates), (q, k, v), do)  # noqa: E731
     dense = lambda: fwd_bwd(sdpa, (q, k, v), do)  # noqa: E731
-    warm = 1 if T < 16384 else 0
+    warm = (1 if T < 16384 else 0) if warmup is None else warmup
     row = {"T": T}
     t = timed(ours, runs, warm)
     row.update(ours_fwdbwd_s=t["median_s"], ours_runs=t["runs"], ours_peak_bytes=t["peak_bytes"])
@@ -194,8 +194,12 @@ def bench_core(T: int, runs: int, stages: bool) -> dict:
         x = [t_.detach().requires_grad_() for t_ in (q, k, v)]
         o, _ = core(*x, gates, stages=st)
         t0 = time.perf_counter()
-        torch.autograd.grad(o, x, do)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            torch.autograd.grad(o, x, do)
         st["backward"] = time.perf_counter() - t0
+        ops = {e.key: e.cpu_time_total / 1e6 for e in prof.key_averages()}
+        st["bwd_slc"] = ops.get("sparseops::nsa_selected_attention_bwd", 0.0)
+        st["bwd_cmp_win"] = ops.get("sparseops::nsa_chunked_attention_bwd", 0.0)
         row["stages_s"] = st
     return row
 
@@ -211,7 +215,7 @@ def crossover(rows: list[dict]) -> float | None:
     return None
 
 
-def bench_peer(T: int, runs: int) -> dict:
+def bench_peer(T: int, runs: int, warmup: int = 1) -> dict:
     """The module against native_sparse_attention_pytorch.SparseAttention, fwd+bwd with respect to the input."""
     row = {"T": T}
     try:
@@ -230,7 +234,7 @@ def bench_peer(T: int, runs: int) -> dict:
         xx = x.detach().requires_grad_()
         return torch.autograd.grad(ours(xx).sum(), xx)
 
-    t = timed(run_ours, runs, 1)
+    t = timed(run_ours, runs, warmup)
     row.update(ours_fwdbwd_s=t["median_s"], ours_runs=t["runs"])
     if "peer_skipped" in row:
         return row
@@ -244,7 +248,7 @@ def bench_peer(T: int, runs: int) -> dict:
             xx = x[None].detach().requires_grad_()
             return torch.autograd.grad(peer(xx).sum(), xx)
 
-        t = timed(run_peer, runs, 1)
+        t = timed(run_peer, runs, warmup)
         row.update(peer_fwdbwd_s=t["median_s"], peer_runs=t["runs"], speedup=t["median_s"] / row["ours_fwdbwd_s"])
     except Exception as e:  # noqa: BLE001 - report why the peer cannot run here instead of failing the benchmark
         row["peer_skipped"] = f"native-sparse-attention-pytorch failed on the CPU ({type(e).__name__}: {e})"
@@ -316,6 +320,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="results folder")
     p.add_argument("--lengths", type=int, nargs="*", default=None, help="override the sequence lengths of (a)")
     p.add_argument("--runs", type=int, default=None, help="timed runs per measurement")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed calls before timing (default 1 below 16384 tokens, else 0; the correctness gate "
+                        "has already made the first calls of every op)")
     p.add_argument("--stages", action="store_true", help="also time each stage of the core's forward")
     p.add_argument("--no-peers", action="store_true", help="skip (b)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
@@ -337,13 +344,13 @@ def main(argv=None) -> int:
     runs = args.runs or runs
     rows = []
     for T in lengths:
-        r = bench_core(T, runs if T < 16384 else 1, args.stages)
+        r = bench_core(T, runs if T < 16384 else 1, args.stages, args.warmup)
         print(f"  T = {T}: core {r['ours_fwdbwd_s']:.2f} s, SDPA {r['sdpa_fwdbwd_s']:.2f} s, "
               f"speedup {r['speedup']:.2f}x", flush=True)
         rows.append(r)
     peer_rows = []
     if not args.no_peers and not args.smoke:
-        peer_rows.append(bench_peer(4096, runs if not args.quick else 1))
+        peer_rows.append(bench_peer(4096, runs if not args.quick else 1, 1 if args.warmup is None else args.warmup))
     text = table(rows, peer_rows)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
