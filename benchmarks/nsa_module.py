@@ -325,6 +325,7 @@ def main(argv=None) -> int:
                         "has already made the first calls of every op)")
     p.add_argument("--stages", action="store_true", help="also time each stage of the core's forward")
     p.add_argument("--no-peers", action="store_true", help="skip (b)")
+    p.add_argument("--peer-only", action="store_true", help="run (b) only")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = p.parse_args(argv)
     if args.threads:
@@ -343,10 +344,11 @@ def main(argv=None) -> int:
     lengths = args.lengths or lengths
     runs = args.runs or runs
     rows = []
-    for T in lengths:
+    for T in [] if args.peer_only else lengths:
         r = bench_core(T, runs if T < 16384 else 1, args.stages, args.warmup)
         print(f"  T = {T}: core {r['ours_fwdbwd_s']:.2f} s, SDPA {r['sdpa_fwdbwd_s']:.2f} s, "
-              f"speedup {r['speedup']:.2f}x", flush=True)
+              f"speedup {r['speedup']:.2f}x, peak RSS core {fmt_bytes(r['ours_peak_bytes'])}, "
+              f"SDPA {fmt_bytes(r['sdpa_peak_bytes'])}; stages {r.get('stages_s')}", flush=True)
         rows.append(r)
     peer_rows = []
     if not args.no_peers and not args.smoke:
@@ -356,7 +358,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     record = {"name": NAME, "env": env, "quick": args.quick, "smoke": args.smoke, "checks": checks, "core": rows,
               "peer": peer_rows, "crossover_T": crossover(rows) if rows else None}
-    path = args.out / f"{NAME}{'_smoke' if args.smoke else ''}.json"
+    path = args.out / f"{NAME}{'_smoke' if args.smoke else ''}{'_peer' if args.peer_only else ''}.json"
     path.write_text(json.dumps(record, indent=1, default=str) + "\n")
     print(f"results: {path}")
     return 0
