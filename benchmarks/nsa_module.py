@@ -178,15 +178,16 @@ def timed(fn, runs: int, warmup: int) -> dict:
     return {"median_s": statistics.median(times), "min_s": min(times), "runs": runs, "peak_bytes": peak}
 
 
-def bench_core(T: int, runs: int, stages: bool, warmup: int | None = None) -> dict:
+def bench_core(T: int, runs: int, stages: bool, warmup: int | None = None, side: str = "both") -> dict:
     q, k, v, gates, do = make_inputs(T)
     ours = lambda: fwd_bwd(lambda q, k, v: core(q, k, v, gates), (q, k, v), do)  # noqa: E731
     dense = lambda: fwd_bwd(sdpa, (q, k, v), do)  # noqa: E731
     warm = (1 if T < 16384 else 0) if warmup is None else warmup
     row = {"T": T}
-    t = timed(ours, runs, warm)
+    nan = {"median_s": math.nan, "runs": 0, "peak_bytes": None}
+    t = timed(ours, runs, warm) if side != "sdpa" else nan
     row.update(ours_fwdbwd_s=t["median_s"], ours_runs=t["runs"], ours_peak_bytes=t["peak_bytes"])
-    t = timed(dense, runs, warm)
+    t = timed(dense, runs, warm) if side != "core" else nan
     row.update(sdpa_fwdbwd_s=t["median_s"], sdpa_runs=t["runs"], sdpa_peak_bytes=t["peak_bytes"])
     row["speedup"] = row["sdpa_fwdbwd_s"] / row["ours_fwdbwd_s"]
     if stages:
@@ -326,6 +327,8 @@ def main(argv=None) -> int:
     p.add_argument("--stages", action="store_true", help="also time each stage of the core's forward")
     p.add_argument("--no-peers", action="store_true", help="skip (b)")
     p.add_argument("--peer-only", action="store_true", help="run (b) only")
+    p.add_argument("--side", choices=("both", "core", "sdpa"), default="both",
+                   help="time only one side of (a) (two processes can then measure one length in parallel)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = p.parse_args(argv)
     if args.threads:
@@ -345,7 +348,7 @@ def main(argv=None) -> int:
     runs = args.runs or runs
     rows = []
     for T in [] if args.peer_only else lengths:
-        r = bench_core(T, runs if T < 16384 else 1, args.stages, args.warmup)
+        r = bench_core(T, runs if T < 16384 else 1, args.stages, args.warmup, args.side)
         print(f"  T = {T}: core {r['ours_fwdbwd_s']:.2f} s, SDPA {r['sdpa_fwdbwd_s']:.2f} s, "
               f"speedup {r['speedup']:.2f}x, peak RSS core {fmt_bytes(r['ours_peak_bytes'])}, "
               f"SDPA {fmt_bytes(r['sdpa_peak_bytes'])}; stages {r.get('stages_s')}", flush=True)
@@ -358,7 +361,9 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     record = {"name": NAME, "env": env, "quick": args.quick, "smoke": args.smoke, "checks": checks, "core": rows,
               "peer": peer_rows, "crossover_T": crossover(rows) if rows else None}
-    path = args.out / f"{NAME}{'_smoke' if args.smoke else ''}{'_peer' if args.peer_only else ''}.json"
+    suffix = ("_smoke" if args.smoke else "") + ("_peer" if args.peer_only else "") + \
+        ("" if args.side == "both" else f"_{args.side}")
+    path = args.out / f"{NAME}{suffix}.json"
     path.write_text(json.dumps(record, indent=1, default=str) + "\n")
     print(f"results: {path}")
     return 0
