@@ -74,7 +74,7 @@ def test_gradcheck():
     cu = [0, 14, 23]
     q, kc, vc, cu_cmp = _inputs(cu, 2, 1, 4, 3, 4, 2)
     assert torch.autograd.gradcheck(
-        lambda q, kc, vc: compressed_attention(q, kc, vc, cu, cu_cmp, 4, 2)[0], (q, kc, vc))
+        lambda q, kc, vc: compressed_attention(q, kc, vc, cu, cu_cmp, 4, 2)[0], (q, kc, vc), fast_mode=True)
 
 
 BAD = [

@@ -10,7 +10,7 @@ from .._varlen import token_seq_positions
 from ..nsa.api import nsa_selected_attention
 from ..nsa.compressed_attention import compressed_attention
 from ..nsa.compression import compress_kv
-from ..nsa.module_checks import DTYPES, cu_seqlens_list, dtype_name
+from ..nsa.module_checks import DTYPES, cmp_cu_seqlens, cu_seqlens_list, dtype_name
 from ..nsa.selection import select_blocks
 from ..nsa.window import sliding_window_attention
 from .rope import apply_rope
@@ -166,7 +166,7 @@ class NativeSparseAttention(nn.Module):
         l, d, lb = self.compress_block_size, self.compress_stride, self.select_block_size
         q = self.q_proj(x).view(T, N1, Dqk)
         k_c, v_c, k_s, v_s, k_w, v_w = (
-            t.view(T, N2, -1) for t in self.kv_proj(x).split([N2 * Dqk, N2 * Dv] * 3, dim=-1))
+            t.view(T, N2, D) for t, D in zip(self.kv_proj(x).split([N2 * Dqk, N2 * Dv] * 3, dim=-1), [Dqk, Dv] * 3))
         if self.rope_theta is not None:
             pos = token_seq_positions(cu, device=x.device)[1]
             q, k_s, k_w = (apply_rope(t, pos, self.rope_theta) for t in (q, k_s, k_w))
@@ -176,8 +176,8 @@ class NativeSparseAttention(nn.Module):
         topk = q.new_full((T, N2, self.select_count), -1, dtype=torch.int32)
         if "cmp" in self.branches or "slc" in self.branches:
             phi = None if self.compressor == "mean" else (self.k_compressor, self.v_compressor)
-            kc, vc, cuc = compress_kv(k_c, v_c, cu, l, d, compressor=phi)
-            cu_cmp = [int(c) for c in cuc.tolist()]
+            kc, vc, _ = compress_kv(k_c, v_c, cu, l, d, compressor=phi)
+            cu_cmp = cmp_cu_seqlens(cu, l, d)
             if self.rope_theta is not None:
                 kc = apply_rope(kc, token_seq_positions(cu_cmp, device=x.device)[1] * d, self.rope_theta)
             o_cmp, lse = compressed_attention(q, kc, vc, cu, cu_cmp, l, d, self.scale)

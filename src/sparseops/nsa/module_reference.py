@@ -82,6 +82,7 @@ def importance(P, l, d, lb, nsel):
 
 def select_blocks(q, k_cmp, lse, cu, cu_cmp, l, d, lb, n, init, local, scale):
     """``topk_indices [T, N2, n]`` int32 by a per-token, per-KV-head sort in float64."""
+    q, k_cmp, lse = q.detach(), k_cmp.detach(), lse.detach()
     T, N1, _ = q.shape
     n2 = k_cmp.shape[1]
     G = N1 // n2
