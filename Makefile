@@ -1,5 +1,6 @@
 # Two commands do all the set-up on a fresh machine with Python 3.11:
-#   make run    the main job: every op x backend checked against the reference, then a quick benchmark
+#   make run    the main job: every op x backend checked against the reference, the demo model trained
+#               (sparseops demo --quick), then a quick benchmark
 #               (results in ./sparseops-results/, ignored by git: the run leaves `git status` clean)
 #   make test   the test suite (what CI runs)
 PYTHON ?= python3
@@ -22,6 +23,7 @@ $(BIN)/.installed: pyproject.toml
 run: $(BIN)/.installed
 	$(BIN)/sparseops info
 	$(BIN)/sparseops check
+	$(BIN)/sparseops demo --quick
 	$(BIN)/sparseops bench --quick
 
 test: $(BIN)/.installed

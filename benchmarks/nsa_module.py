@@ -19,13 +19,10 @@ Run: ``python benchmarks/nsa_module.py [--quick | --smoke] [--out DIR] [--stages
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,9 +30,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-if (ROOT / "src" / "sparseops").is_dir() and str(ROOT / "src") not in sys.path:
-    sys.path.insert(0, str(ROOT / "src"))
+if __package__:
+    from . import _common
+else:
+    import _common
+
+# after _common, which puts a source checkout's src/ first on sys.path
 
 import sparseops  # noqa: E402
 from sparseops.nn import NativeSparseAttention  # noqa: E402
@@ -257,20 +257,9 @@ def bench_peer(T: int, runs: int, warmup: int = 1) -> dict:
 
 
 def environment() -> dict:
-    def version(dist):
-        try:
-            from importlib.metadata import version as v
-            return v(dist)
-        except Exception:  # noqa: BLE001
-            return None
-    try:
-        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=10).stdout.strip() or None
-    except Exception:  # noqa: BLE001
-        commit = None
     return {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-            "threads": torch.get_num_threads(), "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-            "commit": commit, "peer_version": version("native-sparse-attention-pytorch"),
+            "threads": torch.get_num_threads(), "loadavg": _common.loadavg(),
+            "commit": _common.git_commit(), "peer_version": _common.peer_version("native-sparse-attention-pytorch"),
             "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
 
 
@@ -314,22 +303,16 @@ def table(rows: list[dict], peer_rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="T = 4096 and 8192 only, one run each")
-    mode.add_argument("--smoke", action="store_true", help="tiny shapes, no peer: checks that the script runs")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="results folder")
+    p = _common.make_parser(__doc__.splitlines()[0])
     p.add_argument("--lengths", type=int, nargs="*", default=None, help="override the sequence lengths of (a)")
     p.add_argument("--runs", type=int, default=None, help="timed runs per measurement")
     p.add_argument("--warmup", type=int, default=None,
                    help="untimed calls before timing (default 1 below 16384 tokens, else 0; the correctness gate "
                         "has already made the first calls of every op)")
     p.add_argument("--stages", action="store_true", help="also time each stage of the core's forward")
-    p.add_argument("--no-peers", action="store_true", help="skip (b)")
     p.add_argument("--peer-only", action="store_true", help="run (b) only")
     p.add_argument("--side", choices=("both", "core", "sdpa"), default="both",
                    help="time only one side of (a) (two processes can then measure one length in parallel)")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -358,12 +341,13 @@ def main(argv=None) -> int:
         peer_rows.append(bench_peer(4096, runs if not args.quick else 1, 1 if args.warmup is None else args.warmup))
     text = table(rows, peer_rows)
     print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
+    out = _common.out_dir(args)
+    out.mkdir(parents=True, exist_ok=True)
     record = {"name": NAME, "env": env, "quick": args.quick, "smoke": args.smoke, "checks": checks, "core": rows,
               "peer": peer_rows, "crossover_T": crossover(rows) if rows else None}
     suffix = ("_smoke" if args.smoke else "") + ("_peer" if args.peer_only else "") + \
         ("" if args.side == "both" else f"_{args.side}")
-    path = args.out / f"{NAME}{suffix}.json"
+    path = out / f"{NAME}{suffix}.json"
     path.write_text(json.dumps(record, indent=1, default=str) + "\n")
     print(f"results: {path}")
     return 0

@@ -29,7 +29,8 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip() == f"sparseops {sparseops.__version__}"
 
 
-@pytest.mark.parametrize("sub", [[], ["info"], ["check"], ["bench"], ["fit"]], ids=["top", "info", "check", "bench", "fit"])
+@pytest.mark.parametrize("sub", [[], ["info"], ["check"], ["bench"], ["fit"], ["demo"]],
+                         ids=["top", "info", "check", "bench", "fit", "demo"])
 def test_help(sub, capsys):
     with pytest.raises(SystemExit) as ei:
         cli.main([*sub, "--help"])
