@@ -305,7 +305,7 @@ def run_row(device, T, G, dtype, smoke, cfg, pattern="uniform"):
     row = {"T": T, "G": G, "selection": pattern, "N2": N2, "Dqk": Dqk, "Dv": Dv, "bs": bs, "K": K, "visible_pairs": vis,
            "fwd_flop": fwd_flop, "bwd_flop": bwd_flop, **traffic(q, topk, vis, bs, Dv, cu)}
     # what the forward's launches do here: wide / ordinary programs and their block loads, against one per token
-    pack = triton_impl.pack_stats(q, topk, cu, bs, Dv)
+    pack = triton_impl.pack_stats(q, topk, cu, cu, bs, Dv)
     row.update({f"fwd_{n}": x for n, x in pack.items()})
     row["fwd_block_loads_vs_per_token"] = (pack["wide_steps"] + pack["ordinary_steps"]) / max(1, pack["token_steps"])
     bwd = partial(triton_impl.backward, q, k, v, out, dout, m, l, topk, sc, bs, cu, cu, True)

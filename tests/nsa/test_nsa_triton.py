@@ -162,9 +162,9 @@ def test_packed_path_is_taken(monkeypatch):
     seen = []
     real = triton_impl.build_pack_table
 
-    def spy(topk, cu_q, P):
+    def spy(topk, cu_q, P, blocks):
         seen.append(P)
-        return real(topk, cu_q, P)
+        return real(topk, cu_q, P, blocks)
 
     monkeypatch.setattr(triton_impl, "build_pack_table", spy)
     for N1, expect in ((4, [8, 32, 8, 32]), (32, [4, 4])):  # N2 = 2: G = 2, then G = 16
@@ -180,7 +180,7 @@ def test_pack_table_invariants():
     seqs = [1, 0, 21, 6, 4]
     c = _case(seqs, N1=2, N2=2, Dqk=16, Dv=16, bs=16, K=3, empty_frac=0.3, duplicates=True)
     P = 4
-    pk = triton_impl.build_pack_table(c["topk"], c["cu_q"], P)
+    pk = triton_impl.build_pack_table(c["topk"], c["cu_q"], P, _blocks(c))
     assert pk["n_packs"] == sum(-(-s // P) for s in seqs)
     t0, n = pk["pk_t0"].tolist(), pk["pk_n"].tolist()
     seq_id, _ = triton_impl.token_seq_positions(c["cu_q"])
@@ -207,12 +207,18 @@ def _share_first_packs(c, P):
     return {**c, "topk": t}
 
 
-def _plan(c):
+def _blocks(c):
+    """Key blocks of each query token's sequence."""
+    s2 = triton_impl._token_meta(c["cu_q"], c["cu_kv"], c["q"].device)[3]
+    return triton_impl._key_blocks(s2, c["bs"])
+
+
+def _plan(c, dq=False):
     q, topk = c["q"], c["topk"]
     G, K = q.shape[1] // topk.shape[1], topk.shape[2]
     _, pos = triton_impl.token_seq_positions(c["cu_q"], device=q.device)
     heads = triton_impl._head_blocks(q.shape[2], c["v"].shape[2])
-    return triton_impl._q_plan(q, topk, c["cu_q"], G, K, c["bs"], heads, pos.to(torch.int32))
+    return triton_impl._q_plan(q, topk, c["cu_q"], _blocks(c), G, K, c["bs"], heads, pos.to(torch.int32), dq=dq)
 
 
 # (id, N1, N2, K, ordinary programs): G = 16, 32, 12 (one token per ordinary program; 12 pads its heads to 16),
@@ -252,7 +258,7 @@ def test_wide_plan_gives_each_token_to_one_program(N1, N2, K, P_s):
             assert bool(run_w[i, n2]) == (u <= triton_impl.WIDE_SHARE * steps), (i, n2, u, steps)
             wide_run.append(bool(run_w[i, n2]))
     assert (seen == 1).all()
-    stats = triton_impl.pack_stats(c["q"], c["topk"], c["cu_q"], c["bs"], 16)
+    stats = triton_impl.pack_stats(c["q"], c["topk"], c["cu_q"], c["cu_kv"], c["bs"], 16)
     steps_s = [K] * T1 if P_s == 1 else pk_s[3].cpu()
     assert stats == {
         "wide_programs": int(run_w.sum()), "ordinary_programs": int(run_s.sum()), "token_steps": T1 * N2 * K,
@@ -321,10 +327,7 @@ def test_wide_packs_on_mma_sync_gpus(monkeypatch):
     assert run_w.any() and run_s.any()
     u, n = pk_w[3].float(), pk_w[1].float()[:, None]
     assert torch.equal(run_w.bool(), u <= triton_impl.WIDE_SHARE_MMA_SYNC * n * 3)
-    q, topk = c["q"], c["topk"]
-    _, pos = triton_impl.token_seq_positions(c["cu_q"], device=q.device)
-    dq_plan = triton_impl._q_plan(q, topk, c["cu_q"], 16, 3, 16, triton_impl._head_blocks(32, 16), pos, dq=True)
-    assert [x[2] for x in dq_plan] == [None]
+    assert [x[2] for x in _plan(c, dq=True)] == [None]
     _check(c, torch.float32, deterministic_too=False)
 
 
@@ -709,7 +712,10 @@ def test_ids_past_the_sequence_unvalidated_are_masked_in_every_kernel(monkeypatc
     mask their keys by p < S2, and so must dK/dV, which used to add them into the next sequence's (or KV head's)
     keys. Same results as those slots left empty (-1). int64 ids outside int32 used to wrap: ``2**32`` and
     ``-2**32`` into block 0 in packed programs (picked by a pack-mate), and ids past ``2**63 / bs`` into keys at
-    wild addresses in one-token programs, because ``id * bs`` wrapped negative."""
+    wild addresses in one-token programs, because ``id * bs`` wrapped negative. The forward and dQ plans (pack
+    tables, wide-or-ordinary flags) are those of the empty slots too, so the same launches run and the results
+    are equal bitwise on any CPU (an id past the sequence listed in a wide pack's table used to send its tokens
+    to the ordinary programs: another tile shape, another rounding of the interpreter's matmuls)."""
     monkeypatch.setattr(triton_impl, "WIDE_ROWS", wide)
     c = _case([9, 14], [20, 40], N1=2 * G, N2=2, Dqk=32, Dv=16, bs=16, K=2)
     bad = c["topk"].to(torch.int64)
@@ -723,10 +729,16 @@ def test_ids_past_the_sequence_unvalidated_are_masked_in_every_kernel(monkeypatc
     empty = bad.clone()
     for t, n, s in ((3, 0, 1), (12, 1, 0), (5, 0, 1), (8, 0, 0), (10, 1, 1), (11, 0, 0)):
         empty[t, n, s] = -1
-    got = {}
+    got, plans = {}, {}
     for name, ids in (("bad", bad), ("empty", empty)):
         cc = {**c, "topk": ids}
+        plans[name] = _plan(cc) + _plan(cc, dq=True)
         out, m, l = _fwd(triton_impl, cc)
         got[name] = (out, *_bwd(triton_impl, cc, out, m, l), *_bwd(triton_impl, cc, out, m, l, deterministic=True))
+    assert len(plans["bad"]) == len(plans["empty"])
+    for i, (x, y) in enumerate(zip(plans["bad"], plans["empty"])):
+        assert x[0] == y[0] and x[3:] == y[3:], f"launch {i}: programs, tile, warps"
+        for j, (a, b) in enumerate(zip(x[1] + (x[2],), y[1] + (y[2],))):
+            assert (a is None and b is None) or torch.equal(a, b), f"launch {i}: pack table / run flags {j}"
     for n, x, y in zip(("out", "dq", "dk", "dv", "dq det", "dk det", "dv det"), got["bad"], got["empty"]):
         assert torch.equal(x, y), n

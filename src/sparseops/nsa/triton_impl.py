@@ -170,6 +170,11 @@ def _token_meta(cu_q, cu_kv, device):
     return seq_id, pos.to(torch.int32), kv0, s2
 
 
+def _key_blocks(s2, bs: int):
+    """Key blocks of each query token's sequence, ``ceil(S2 / bs)`` (``s2 [T1]`` from ``_token_meta``)."""
+    return torch.div(s2.to(torch.int64) + (bs - 1), bs, rounding_mode="floor")
+
+
 def pack_size(G: int) -> int:
     """Query tokens per forward / dQ program: ``PACK_ROWS // next_pow2(G)`` for G < 16 (G = 1: 16, G = 2: 8,
     G = 3 or 4: 4, G = 5..8: 2), else 1."""
@@ -207,15 +212,18 @@ def _q_tile(G: int, K: int, bs: int, heads: dict, dq: bool = False, P: int | Non
     return tile, 4 if P * block_g <= 16 and not wide else 8
 
 
-def build_pack_table(topk, cu_q, P: int) -> dict:
+def build_pack_table(topk, cu_q, P: int, blocks) -> dict:
     """Packs of up to P consecutive query tokens of one sequence, and the distinct blocks each pack selected.
 
     Built with torch ops on the device; the pack count comes from the host-side ``cu_q`` (no sync).
     E.g. P = 4, sequences of 6, 0, 1 tokens (``cu_q = [0, 6, 6, 7]``): packs start at tokens 0, 4, 6 with
-    4, 2, 1 tokens. Returns int tensors ``pk_t0 [n_packs]`` (first token, int64), ``pk_n [n_packs]`` (tokens in
-    the pack, 1..P), ``pk_ids [n_packs, N2, P*K]`` (the block ids the pack's tokens selected, each once, −1
-    slots dropped, ascending, then −1 padding; a per-sequence id, like ``topk``) and ``pk_nu [n_packs, N2]``
-    (how many). How often each token selected a block is recounted in the kernel from ``topk``.
+    4, 2, 1 tokens. ``blocks [T1]``: the key blocks of each token's sequence (``ceil(S2 / bs)``). Returns int
+    tensors ``pk_t0 [n_packs]`` (first token, int64), ``pk_n [n_packs]`` (tokens in the pack, 1..P),
+    ``pk_ids [n_packs, N2, P*K]`` (the block ids the pack's tokens selected, each once, ascending, then −1
+    padding; a per-sequence id, like ``topk``) and ``pk_nu [n_packs, N2]`` (how many). A −1 slot and
+    (``validate=False``) an id outside ``[0, blocks)`` list nothing: such an id is an empty slot, so it changes
+    neither the programs' steps nor the wide-or-ordinary choice of ``_q_plan``, and the outputs equal those of
+    the −1 slot bitwise. How often each token selected a block is recounted in the kernel from ``topk``.
     """
     dev = topk.device
     T1, N2, K = topk.shape
@@ -233,9 +241,10 @@ def build_pack_table(topk, cu_q, P: int) -> dict:
     live = o_j[None, :] < pk_n[:, None]  # [n_packs, P]
     tok = torch.where(live, pk_t0[:, None] + o_j[None, :], 0)
     none = torch.iinfo(torch.int32).max  # sorts after every block id
-    # [n_packs, P, N2, K]; (validate=False) no int64 id wraps into a real block: below -1 is -1, past int32 none
-    ids = topk[tok].clamp(min=-1, max=none).to(torch.int32)
-    ids = torch.where(live[:, :, None, None] & (ids >= 0), ids, none)
+    # [n_packs, P, N2, K]; compared in int64 before the cast, so that no int64 id wraps into a real block
+    raw = topk[tok]
+    ok = live[:, :, None, None] & (raw >= 0) & (raw < blocks.to(torch.int64)[tok][:, :, None, None])
+    ids = torch.where(ok, raw, none).to(torch.int32)
     ids = ids.transpose(1, 2).reshape(n_packs, N2, P * K).sort(-1).values
     repeat = torch.cat([torch.zeros_like(ids[..., :1], dtype=torch.bool), ids[..., 1:] == ids[..., :-1]], -1)
     ids = torch.where(repeat, none, ids).sort(-1).values
@@ -249,17 +258,17 @@ def build_pack_table(topk, cu_q, P: int) -> dict:
     }
 
 
-def _q_launch(topk, cu_q, G, K, bs, heads, pos, dq=False):
+def _q_launch(topk, cu_q, blocks, G, K, bs, heads, pos, dq=False):
     """Grid size, pack-table kernel arguments, constexprs and warps of the ordinary forward / dQ launch."""
     tile, warps = _q_tile(G, K, bs, heads, dq)
     if tile["PACK"] == 1:
         # the kernels never read the pack table: any int tensor stands in
         return topk.shape[0], (pos, pos, pos, pos), tile, warps
-    pk = build_pack_table(topk, cu_q, tile["PACK"])
+    pk = build_pack_table(topk, cu_q, tile["PACK"], blocks)
     return pk["n_packs"], (pk["pk_t0"], pk["pk_n"], pk["pk_ids"], pk["pk_nu"]), tile, warps
 
 
-def _q_plan(q, topk, cu_q, G, K, bs, heads, pos, dq=False) -> list[tuple]:
+def _q_plan(q, topk, cu_q, blocks, G, K, bs, heads, pos, dq=False) -> list[tuple]:
     """The forward / dQ launches, ``[(n_programs, pack-table args, run, tile, warps)]``.
 
     Without wide packs (``_wide_on``): the ordinary launch, ``run = None`` (every program runs). With them: the
@@ -268,14 +277,14 @@ def _q_plan(q, topk, cu_q, G, K, bs, heads, pos, dq=False) -> list[tuple]:
     (``WIDE_SHARE_MMA_SYNC`` on mma.sync GPUs) of the block steps of the ordinary programs that cover its tokens,
     and those programs run where it does not.
     """
-    n_s, pk_s, tile_s, warps_s = _q_launch(topk, cu_q, G, K, bs, heads, pos, dq)
+    n_s, pk_s, tile_s, warps_s = _q_launch(topk, cu_q, blocks, G, K, bs, heads, pos, dq)
     dev = topk.device
     if not _wide_on(q, G, bs, heads, dq):
         return [(n_s, pk_s, None, tile_s, warps_s)]
     T1 = topk.shape[0]
     P_w = wide_pack_size(G)
     tile_w, warps_w = _q_tile(G, K, bs, heads, dq, P=P_w)
-    w = build_pack_table(topk, cu_q, P_w)
+    w = build_pack_table(topk, cu_q, P_w, blocks)
     tok_w = torch.repeat_interleave(torch.arange(w["n_packs"], device=dev), w["pk_n"].to(torch.int64),
                                     output_size=T1)  # the wide pack of each token
     if tile_s["PACK"] == 1:
@@ -294,15 +303,15 @@ def _q_plan(q, topk, cu_q, G, K, bs, heads, pos, dq=False) -> list[tuple]:
     ]
 
 
-def pack_stats(q, topk, cu_q, bs: int, Dv: int) -> dict:
+def pack_stats(q, topk, cu_q, cu_kv, bs: int, Dv: int) -> dict:
     """What the forward's launches will do for these inputs (same plan as ``forward``; a host sync, for
     benchmarks and docs): running ``wide_programs`` / ``ordinary_programs`` (per KV head) and their block steps
     (``wide_steps``, ``ordinary_steps``: key blocks loaded and multiplied), and ``token_steps`` = T1·N2·K, the
     block loads of one program per token."""
     T1, N2, K = topk.shape
     G = q.shape[1] // N2
-    _, pos = token_seq_positions(cu_q, device=q.device)
-    plan = _q_plan(q, topk, cu_q, G, K, bs, _head_blocks(q.shape[2], Dv), pos.to(torch.int32))
+    _, pos, _, s2 = _token_meta(cu_q, cu_kv, q.device)
+    plan = _q_plan(q, topk, cu_q, _key_blocks(s2, bs), G, K, bs, _head_blocks(q.shape[2], Dv), pos)
     out = {"wide_programs": 0, "wide_steps": 0, "ordinary_programs": 0, "ordinary_steps": 0, "token_steps": T1 * N2 * K}
     for i, (n, pk, run, tile, _) in enumerate(plan):
         kind = "wide" if len(plan) == 2 and i == 0 else "ordinary"
@@ -351,7 +360,7 @@ def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
     _, pos, kv0, s2 = _token_meta(cu_q, cu_kv, q.device)
     heads = _head_blocks(Dqk, Dv)
     _launch_q(
-        kern.nsa_fwd_kernel, _q_plan(q, topk, cu_q, G, K, bs, heads, pos), q.device,
+        kern.nsa_fwd_kernel, _q_plan(q, topk, cu_q, _key_blocks(s2, bs), G, K, bs, heads, pos), q.device,
         (q, k, v, topk, out, m, l, pos, kv0, s2), (float(scale),),
         num_stages=FWD_STAGES, shape=_shape(G, K, bs, Dqk, Dv),
         N1=N1, N2=N2, G=G, K=K, BS=bs, BLOCK_BS=_next_pow2(bs), Dqk=Dqk, Dv=Dv,
@@ -461,7 +470,7 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
         dq32 = delta  # unused stand-in pointer
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
         _launch_q(
-            kern.nsa_bwd_dq_kernel, _q_plan(q, topk, cu_q, G, K, bs, heads, pos, dq=True), dev,
+            kern.nsa_bwd_dq_kernel, _q_plan(q, topk, cu_q, _key_blocks(s2, bs), G, K, bs, heads, pos, dq=True), dev,
             (q, k, v, out, dout, m, l, delta, topk, dq, pos, kv0, s2), (float(scale),),
             num_stages=FWD_STAGES, shape=shape,
             N1=N1, N2=N2, G=G, K=K, BS=bs, BLOCK_BS=block_bs, Dqk=Dqk, Dv=Dv,
