@@ -40,8 +40,11 @@ def _block_keys(idx, o_r, s1, kv0, S2, i_n2, N2: tl.constexpr, BS: tl.constexpr,
     """Block ``idx`` of one sequence: the in-sequence positions and flat key rows of its keys, and which of
     them a query at position ``s1`` sees (spec §2)."""
     o_p = idx * BS + o_r
+    # the id on every key lane: a mask is a block of comparisons, never a scalar condition broadcast (an int32
+    # array to Triton 3.9's interpreter, whose loads reject it)
+    o_idx = tl.zeros_like(o_r).to(tl.int64) + idx
     # the id is range-checked before its keys: (validate=False) idx * BS of an int64 id past 2**63 / BS wraps
-    m_k = (idx >= 0) & (idx < (S2 + BS - 1) // BS) & (o_r < BS) & (o_p < S2)
+    m_k = (o_idx >= 0) & (o_idx < (S2 + BS - 1) // BS) & (o_r < BS) & (o_p < S2)
     if CAUSAL:
         m_k = m_k & (o_p <= s1)
     return o_p, (kv0 + o_p) * N2 + i_n2, m_k
@@ -402,8 +405,10 @@ def nsa_bwd_dkv_kernel(
     i_b = tl.load(ch_blk + i_c).to(tl.int64)
     e0 = tl.load(ch_e0 + i_c).to(tl.int64)
     e1 = tl.load(ch_e1 + i_c).to(tl.int64)
-    m_c = i_b >= 0
-    i_b = tl.where(m_c, i_b, 0)
+    # [BLOCK_KR] whether the chunk is a real one (-1: the unused tail of the grid), on every key lane: a mask is a
+    # block of comparisons, never a scalar condition broadcast (an int32 array to Triton 3.9's interpreter)
+    m_c = tl.zeros([BLOCK_KR], dtype=tl.int64) + i_b >= 0
+    i_b = tl.maximum(i_b, 0)
     # blk_row0 folds in the KV head: the flat [T2 * N2] row of the block's first key
     row0 = tl.load(blk_row0 + i_b).to(tl.int64)
     p0 = tl.load(blk_p0 + i_b).to(tl.int64)
@@ -460,12 +465,12 @@ def nsa_bwd_dkv_kernel(
     if DETERMINISTIC:
         p_wk = ws_k + i_c * BLOCK_BS * Dqk + o_r[:, None] * Dqk
         p_wv = ws_v + i_c * BLOCK_BS * Dv + o_r[:, None] * Dv
-        tl.store(p_wk + o_d1[None, :], b_dk1, mask=m_c & m_d1[None, :])
+        tl.store(p_wk + o_d1[None, :], b_dk1, mask=m_c[:, None] & m_d1[None, :])
         if HAS_D2:
-            tl.store(p_wk + o_d2[None, :], b_dk2, mask=m_c & m_d2[None, :])
-        tl.store(p_wv + o_dv[None, :], b_dv, mask=m_c & m_dv[None, :])
+            tl.store(p_wk + o_d2[None, :], b_dk2, mask=m_c[:, None] & m_d2[None, :])
+        tl.store(p_wv + o_dv[None, :], b_dv, mask=m_c[:, None] & m_dv[None, :])
     else:
-        m_st = m_c & m_r[:, None]
+        m_st = (m_c & m_r)[:, None]
         tl.atomic_add(dk + o_krow[:, None] * Dqk + o_d1[None, :], b_dk1, mask=m_st & m_d1[None, :], sem="relaxed")
         if HAS_D2:
             tl.atomic_add(dk + o_krow[:, None] * Dqk + o_d2[None, :], b_dk2, mask=m_st & m_d2[None, :], sem="relaxed")
