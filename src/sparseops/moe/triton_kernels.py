@@ -1,4 +1,4 @@
-"""Triton kernels for MoE permute / unpermute with an expert-parallel window (spec/moe.md §3).
+"""Triton kernels for MoE permute / unpermute with an expert-parallel window (docs/moe.md).
 
 Every kernel runs one program per token ``t`` (times a hidden-dim chunk where no reduction over H is needed)
 and owns all ``K`` slots ``i = t*K + k`` of that token, so every output element has exactly one writer (no
