@@ -213,6 +213,13 @@ def test_dkv_key_block_split_over_programs(override, monkeypatch, key_rows):
         testing.assert_close(g, r, torch.float32, f"{name} (DQ_ATOMIC)")
 
 
+def _kernels(name):
+    """The module of the kernel ``name``: the backward's in ``triton_kernels_bwd``, the forward's in ``triton_kernels``."""
+    from sparseops.nsa import triton_kernels, triton_kernels_bwd
+
+    return triton_kernels_bwd if name.startswith("nsa_bwd") else triton_kernels
+
+
 class _ShortOfSharedMemory:
     """Wraps a kernel: launches with more than ``fits`` stages raise Triton's OutOfResources, as a GPU with less
     shared memory would."""
@@ -249,8 +256,8 @@ def test_shared_memory_shortfall_retries_then_errors_clearly(monkeypatch):
     assert fwd.tries == [2, 1, 2, 1]  # the wide launch, then the ordinary one
     for x, y in zip(got, want):
         assert torch.equal(x, y)
-    dkv = _ShortOfSharedMemory(kern.nsa_bwd_dkv_kernel, fits=0)
-    monkeypatch.setattr(kern, "nsa_bwd_dkv_kernel", dkv)
+    dkv = _ShortOfSharedMemory(_kernels("nsa_bwd_dkv_kernel").nsa_bwd_dkv_kernel, fits=0)
+    monkeypatch.setattr(_kernels("nsa_bwd_dkv_kernel"), "nsa_bwd_dkv_kernel", dkv)
     fwd_op, grad_op = _public_ops()
     a = testing.make_nsa_inputs([5, 9], N1=4, N2=2, Dqk=32, Dv=16, bs=16, K=2, device=DEVICE)
     kw = {n: a[n] for n in ("scale_value", "head_num", "selected_block_size", "selected_block_count",
@@ -282,7 +289,6 @@ def test_wide_launch_that_does_not_fit_leaves_its_tokens_to_the_ordinary_one(mon
     from triton.runtime.errors import OutOfResources
 
     from sparseops import _triton
-    from sparseops.nsa import triton_kernels as kern
 
     monkeypatch.setattr(_triton, "_STAGES", {})
     monkeypatch.setattr(_triton, "_NO_FIT", {})
@@ -302,7 +308,7 @@ def test_wide_launch_that_does_not_fit_leaves_its_tokens_to_the_ordinary_one(mon
             return run
 
     for name in ("nsa_fwd_kernel", "nsa_bwd_dq_kernel"):
-        monkeypatch.setattr(kern, name, WideDoesNotFit(getattr(kern, name)))
+        monkeypatch.setattr(_kernels(name), name, WideDoesNotFit(getattr(_kernels(name), name)))
     _check(c, torch.float32, deterministic_too=False)
     assert ("nsa_fwd_kernel", 1, False) in calls and ("nsa_bwd_dq_kernel", 1, False) in calls
     assert all(not gate for _, pack, gate in calls if pack == 1)
@@ -335,12 +341,11 @@ def test_launch_short_of_shared_memory_takes_fewer_keys_per_step(override, monke
     from triton.runtime.errors import OutOfResources
 
     from sparseops import _triton
-    from sparseops.nsa import triton_kernels as kern
 
     monkeypatch.setattr(_triton, "_STAGES", {})
     monkeypatch.setattr(_triton, "_NO_FIT", {})
     calls = []
-    real = getattr(kern, kernel)
+    real = getattr(_kernels(kernel), kernel)
 
     class FitsSixteenKeys:
         __name__ = real.__name__
@@ -353,7 +358,7 @@ def test_launch_short_of_shared_memory_takes_fewer_keys_per_step(override, monke
                 return real[grid](*args, **kw)
             return run
 
-    monkeypatch.setattr(kern, kernel, FitsSixteenKeys())
+    monkeypatch.setattr(_kernels(kernel), kernel, FitsSixteenKeys())
     override(S, wide_rows=0)  # one launch, so the calls below are its tries
     c = _case([5, 20], N1=4, N2=2, Dqk=32, Dv=16, bs=48, K=2, duplicates=True)
     _check(c, torch.float32, deterministic_too=False)
