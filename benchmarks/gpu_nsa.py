@@ -366,8 +366,8 @@ def tune(device, cfg, smoke=False, on_step=None):
                                     K=K, dtype=torch.float32 if smoke else torch.bfloat16, device=device)
     sc = 1.0 / math.sqrt(Dqk)
     # token packing at G = 16: wide packs (4 tokens x 16 heads, wgmma) where a pack shares enough blocks
-    # (wide_share), off (wide_rows = 0), always (wide_share = 1e9), and ordinary packs of 2 tokens (pack_rows =
-    # 32). With uniformly drawn ids neighbours rarely share a block (the adaptive rule should keep them ordinary:
+    # (WIDE_SHARE), off (WIDE_ROWS = 0), always (WIDE_SHARE = 1e9), and ordinary packs of 2 tokens (PACK_ROWS =
+    # 32). A variant names its knobs in capitals in the results; they are the settings' fields in lower case. With uniformly drawn ids neighbours rarely share a block (the adaptive rule should keep them ordinary:
     # its cost there is the pack table); on the NSA-like selection (first, own and previous block forced, the rest
     # shared by each 64-token window) a shared block loads once per pack.
     nsa_ids = testing.make_topk_indices([q.shape[0]], [q.shape[0]], N2, K, bs, seed=2, device=device, chunk=8192,
@@ -377,15 +377,15 @@ def tune(device, cfg, smoke=False, on_step=None):
     fwd = {name: triton_impl.forward(q, k, v, ids, sc, bs, cu, cu, True) for name, ids in selections.items()}
     dout = torch.randn_like(fwd["uniform"][0])
     # most telling first: a run cut short by its time limit keeps the variants it finished
-    # (dkv_key_rows = 32: two dK/dV programs per 64-key block, half the shared memory each, q/dY gathered twice)
-    variants = [{}, {"dkv_rows": 64}, {"dq_atomic": True}, {"chunk": 64}, {"dkv_key_rows": 16}] if smoke else [
-        {}, {"dq_atomic": True}, {"dkv_rows": 64}, {"dq_atomic": True, "dkv_rows": 16}, {"dkv_key_rows": 32},
-        {"fwd_stages": 3},
-        {"fwd_stages": 1}, {"dkv_rows": 16}, {"dkv_stages": 3}, {"dkv_stages": 1}, {"chunk": 64}, {"chunk": 1024},
-        {"dkv_warps": 4}]
+    # (DKV_KEY_ROWS = 32: two dK/dV programs per 64-key block, half the shared memory each, q/dY gathered twice)
+    variants = [{}, {"DKV_ROWS": 64}, {"DQ_ATOMIC": True}, {"CHUNK": 64}, {"DKV_KEY_ROWS": 16}] if smoke else [
+        {}, {"DQ_ATOMIC": True}, {"DKV_ROWS": 64}, {"DQ_ATOMIC": True, "DKV_ROWS": 16}, {"DKV_KEY_ROWS": 32},
+        {"FWD_STAGES": 3},
+        {"FWD_STAGES": 1}, {"DKV_ROWS": 16}, {"DKV_STAGES": 3}, {"DKV_STAGES": 1}, {"CHUNK": 64}, {"CHUNK": 1024},
+        {"DKV_WARPS": 4}]
     # (settings, selection, time the deterministic backward too); the first run of a selection is its base
-    packing = [{}, {"wide_rows": 0}, {"wide_share": 1e9}, {"wide_share": 0.25}, {"wide_rows": 0, "pack_rows": 32}]
-    runs = [(var, "uniform", True) for var in variants] + [({"wide_rows": 0}, "uniform", False)] + [
+    packing = [{}, {"WIDE_ROWS": 0}, {"WIDE_SHARE": 1e9}, {"WIDE_SHARE": 0.25}, {"WIDE_ROWS": 0, "PACK_ROWS": 32}]
+    runs = [(var, "uniform", True) for var in variants] + [({"WIDE_ROWS": 0}, "uniform", False)] + [
         (var, "nsa", False) for var in packing]
     res, refs = [], {}
     for var, sel, det in runs:
@@ -393,7 +393,7 @@ def tune(device, cfg, smoke=False, on_step=None):
         ids = selections[sel]
         out, m, l = fwd[sel]
         try:
-            with triton_plan.SETTINGS.override(**var):
+            with triton_plan.SETTINGS.override(**{n.lower(): x for n, x in var.items()}):
                 row, err = _tune_run(q, k, v, ids, out, dout, m, l, sc, bs, cu, refs, sel, det, smoke)
             res.append({**label, **row, "rel_rms_vs_base": err})
             times = ", ".join(f"{n[:-3].replace('_', ' ')} {row[n]:.3f} ms" for n in row if n.endswith("_ms"))
