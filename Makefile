@@ -1,5 +1,6 @@
 # Two commands do all the set-up on a fresh machine with Python 3.11:
 #   make run    the main job: every op x backend checked against the reference, then a quick benchmark
+#               (results in ./sparseops-results/, ignored by git: the run leaves `git status` clean)
 #   make test   the test suite (what CI runs)
 PYTHON ?= python3
 VENV := .venv
@@ -47,6 +48,7 @@ test: $(BIN)/.installed $(VENV_LATEST)/.installed
 check: $(BIN)/.installed
 	$(BIN)/sparseops check
 
+# the full sweep, to ./sparseops-results/; `sparseops bench --record` appends to benchmarks/results/ on purpose
 bench: $(BIN)/.installed
 	$(BIN)/sparseops bench
 

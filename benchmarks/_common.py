@@ -1,33 +1,22 @@
-"""Shared benchmark harness: timing, peak memory, physical floors, environment record, JSON, charts.
+"""Shared benchmark harness: the command line, the environment record, JSON results, charts, progress.
 
-Used by ``benchmarks/moe.py`` and ``benchmarks/nsa.py``; nothing here knows about a particular op.
+Used by every ``benchmarks/<subject>.py``; nothing here knows about a particular op. How time, memory and
+the machine's limits are measured is in ``_measure.py`` (re-exported here).
 
-- Time: :func:`median_time` runs a callable after warm-up until a minimum number of runs *and* a time
-  budget are reached (or a maximum number of runs), and reports the median, min and interquartile range.
-  ``torch.utils.benchmark.Timer`` is not used because its default pins one thread and its autorange
-  cannot be told "at most 3 runs" for a multi-second peer.
-- Memory: :func:`peak_memory` runs the callable once under ``torch.profiler`` with ``profile_memory=True``
-  and replays every allocation/free event in time order: the result is the peak of bytes allocated
-  *by the call* above what was live before it (outputs + temporaries + autograd saved tensors), counted
-  by the PyTorch CPU allocator. Inputs allocated before the call are not counted. RSS is not used:
-  glibc keeps freed pages and the process maximum never goes down, so RSS deltas say little.
-- Floors: :func:`measure_floors` measures copy bandwidth (bytes read + written per second of one large
-  ``Tensor.copy_``) and fp32 / bf16 matmul rates (2·n³ FLOP per n×n×n matmul), in the same process,
-  with the same thread count as the ops.
+Where results go: ``--out DIR``, else ``./sparseops-results/`` (ignored by git); ``--record`` appends the
+run to the repository's recorded results, ``benchmarks/results/``, which a plain run never touches.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import gc
 import importlib
 import importlib.metadata as _md
 import json
 import math
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -39,11 +28,36 @@ import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
+#: a user's run, relative to the working directory
+DEFAULT_OUT = Path("sparseops-results")
 
 # run from a source checkout: benchmark its src/, as the tests do (pytest's pythonpath = src)
 if (REPO_ROOT / "src" / "sparseops").is_dir() and str(REPO_ROOT / "src") not in sys.path:
     sys.path.insert(0, str(REPO_ROOT / "src"))
 
+if __package__:
+    from ._measure import (  # noqa: F401 (the benchmarks' vocabulary: C.median_time, C.peak_memory, ...)
+        bf16_matmul_units,
+        floors_line,
+        measure_floors,
+        median_time,
+        peak_memory,
+        peak_memory_and_result,
+        quiet_stderr,
+    )
+else:
+    from _measure import (  # noqa: F401
+        bf16_matmul_units,
+        floors_line,
+        measure_floors,
+        median_time,
+        peak_memory,
+        peak_memory_and_result,
+        quiet_stderr,
+    )
+
+from sparseops.cli._progress import Status  # noqa: E402
+from sparseops.cli.info import cpu_model  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------------------------
 # command line
@@ -55,19 +69,35 @@ def make_parser(description: str) -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="a reduced sweep (about half a minute per script)")
     mode.add_argument("--smoke", action="store_true", help="tiny shapes, no peers: checks the script runs (tests)")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR, help=f"results folder (default {RESULTS_DIR})")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--out", type=Path, default=None, help=f"results folder (default ./{DEFAULT_OUT}/)")
+    where.add_argument("--record", action="store_true",
+                       help=f"append the run to the recorded results, {RESULTS_DIR} (on purpose only)")
     p.add_argument("--no-peers", action="store_true", help="skip the peer libraries")
     p.add_argument("--no-plot", action="store_true", help="do not draw the PNG chart")
     p.add_argument("--peer-budget", type=float, default=None, metavar="S",
                    help="skip a slow peer's call when it is estimated to take more than S seconds")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch.set_num_threads(N) before measuring (default: torch's choice, all cores)")
-    p.add_argument("--report", action="store_true", help="print the last recorded run as Markdown, run nothing")
+    p.add_argument("--report", action="store_true",
+                   help="print the last run in --out (default: the recorded results) as Markdown, run nothing")
     p.add_argument("--spread", action="store_true",
                    help="print how much the last two recorded runs of the same mode differ, run nothing")
     p.add_argument("--profile", action="store_true",
                    help="profile ours on one benchmark shape with torch.profiler and print the top operators")
     return p
+
+
+def out_dir(args: argparse.Namespace) -> Path:
+    """Where a run writes: ``--out``, ``--record`` (the recorded results), else ``./sparseops-results/``."""
+    if args.out is not None:
+        return Path(args.out)
+    return RESULTS_DIR if args.record else DEFAULT_OUT
+
+
+def report_dir(args: argparse.Namespace) -> Path:
+    """Where ``--report`` / ``--spread`` read: ``--out``, else the recorded results."""
+    return Path(args.out) if args.out is not None else RESULTS_DIR
 
 
 def last_record(path: Path) -> dict:
@@ -121,17 +151,6 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def git_commit() -> str | None:
     try:
         sha = subprocess.run(
@@ -176,11 +195,6 @@ def environment() -> dict:
     }
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# timing and memory
-# ----------------------------------------------------------------------------------------------------------------
-
-
 def env_line(env: dict) -> str:
     """One line naming where and when a run was taken (the first line of each script's Markdown report)."""
     return (
@@ -193,101 +207,13 @@ def save_run(name: str, op: str, *, quick: bool, smoke: bool, env: dict, out: Pa
              plot: Callable[[list[dict], Path], None] | None, **fields) -> dict:
     """Close a run: stamp the end load, append the record to ``out/<name>.json``, draw ``out/<name>.png``."""
     env["loadavg_end"] = loadavg()
+    out.mkdir(parents=True, exist_ok=True)
     record = {"op": op, "mode": "smoke" if smoke else ("quick" if quick else "full"), "env": env, **fields,
               "rows": rows}
     append_json(out / f"{name}.json", record)
     if plot is not None:
         plot(rows, out / f"{name}.png")
     return record
-
-
-def median_time(
-    fn: Callable[[], object],
-    *,
-    warmup: int = 1,
-    min_runs: int = 5,
-    max_runs: int = 50,
-    budget_s: float = 1.0,
-) -> dict:
-    """Seconds per call of ``fn()``: median, min, IQR over the runs. Runs ``warmup`` untimed calls, then at
-    least ``min_runs`` timed ones, more while the total stays under ``budget_s``, at most ``max_runs``."""
-    for _ in range(warmup):
-        fn()
-    times: list[float] = []
-    total = 0.0
-    gc_was = gc.isenabled()
-    gc.disable()
-    try:
-        while len(times) < max_runs and (len(times) < min_runs or total < budget_s):
-            t0 = time.perf_counter()
-            fn()
-            dt = time.perf_counter() - t0
-            times.append(dt)
-            total += dt
-    finally:
-        if gc_was:
-            gc.enable()
-    q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
-    return {"median_s": statistics.median(times), "min_s": min(times), "iqr_s": q[2] - q[0], "runs": len(times)}
-
-
-def peak_memory(fn: Callable[[], object]) -> int | None:
-    """Peak bytes allocated by one call of ``fn()`` above what was live before it (see module doc).
-    None when this torch's profiler does not expose allocation events."""
-    return peak_memory_and_result(fn)[0]
-
-
-def peak_memory_and_result(fn: Callable[[], object]) -> tuple[int | None, object]:
-    """``(peak_memory(fn), what fn returned)``: one call serves as both a check and a measurement."""
-    try:
-        from torch._C._profiler import _EventType
-        from torch.profiler import ProfilerActivity, profile
-    except ImportError:
-        return None, fn()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
-    try:
-        roots = prof.profiler.kineto_results.experimental_event_tree()
-    except AttributeError:
-        return None, result
-    events: list[tuple[int, int]] = []
-    stack = list(roots)
-    while stack:
-        node = stack.pop()
-        if node.tag == _EventType.Allocation and str(node.extra_fields.device).startswith("cpu"):
-            events.append((node.start_time_ns, int(node.extra_fields.alloc_size)))
-        stack.extend(node.children)
-    events.sort()
-    cur = peak = 0
-    for _, size in events:
-        cur += size
-        peak = max(peak, cur)
-    return peak, result
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# physical floors
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def measure_floors(*, copy_mb: int = 512, matmul_n: int = 2048, budget_s: float = 1.0) -> dict:
-    """Copy bandwidth (bytes read + written per second) and fp32 / bf16 matmul FLOP/s, measured now."""
-    n_el = copy_mb * 2**20 // 4
-
-    def copy_time() -> float:
-        src = torch.randn(n_el)
-        dst = torch.empty_like(src)
-        return median_time(lambda: dst.copy_(src), warmup=2, min_runs=5, budget_s=budget_s)["median_s"]
-
-    t_copy = copy_time()
-    out = {"copy_bytes": 2 * n_el * 4, "copy_bandwidth_Bps": 2 * n_el * 4 / t_copy, "copy_time_s": t_copy}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        a = torch.randn(matmul_n, matmul_n).to(dtype)
-        b = torch.randn(matmul_n, matmul_n).to(dtype)
-        t = median_time(lambda a=a, b=b: torch.mm(a, b), warmup=1, min_runs=3, budget_s=budget_s)
-        out[f"matmul_{name}_n"] = matmul_n
-        out[f"matmul_{name}_flops"] = 2 * matmul_n**3 / t["median_s"]
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -326,6 +252,12 @@ def format_exc_line(exc: BaseException) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 # progress, results, charts
 # ----------------------------------------------------------------------------------------------------------------
+
+
+def steps(name: str, total: int) -> Status:
+    """The progress of a run of ``total`` steps (``with st.step("floors"): ...``), announced as each starts with
+    the time since the run started and an estimate of what is left, on stderr; close it at the end."""
+    return Status(total, name=name, announce=True, every_s=30.0)
 
 
 def progress(iterable, desc: str, total: int | None = None):
@@ -417,6 +349,14 @@ def plot_panels(
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def gate_line(gate: list[dict]) -> str:
+    """One line on the correctness gate of a run: how many checks held and the closest to its tolerance."""
+    ok = sum(1 for g in gate if g["err"] <= g["tol"])
+    worst = max(gate, key=lambda g: g["err"] / g["tol"] if g["tol"] else math.inf)
+    return (f"correctness gate vs the float64 reference: {ok}/{len(gate)} within tolerance (closest: "
+            f"{worst['what']}, {worst['err']:.2e} <= {worst['tol']:.0e})")
 
 
 def fmt_bytes(n: float | None) -> str:

@@ -340,7 +340,7 @@ def compile_check(Gs=(1, 4, 16, 32), cfg=None, arch=90):
     (``triton_fit.compile_report``, as ``sparseops fit``) at each G and print each kernel's shared memory,
     registers and spill stack. Returns the rows, each with its G."""
     from sparseops import _triton
-    from sparseops.cli import fit_lines
+    from sparseops.cli.fit import fit_lines
 
     cfg = cfg or PAPER
     shape = {k: cfg[k] for k in ("N2", "Dqk", "Dv", "bs", "K")}

@@ -22,7 +22,7 @@ What is timed (median of several runs after warm-up, one process, same inputs):
 - ``floor``: ``b*H*(T + 2R)`` bytes (read grad, read permuted tokens, write permuted_tokens_grad; probs are
   negligible) divided by the copy bandwidth measured in the same run.
 
-Run: ``python benchmarks/moe.py [--quick | --smoke] [--out DIR]``.
+Run: ``python benchmarks/moe.py [--quick | --smoke] [--out DIR | --record]`` (default out: ./sparseops-results/).
 """
 
 from __future__ import annotations
@@ -250,26 +250,43 @@ def _plot(rows: list[dict], path: Path) -> None:
 def run(quick: bool = False, smoke: bool = False, out: Path | str | None = None, peers: bool = True,
         plot: bool = True) -> dict:
     """Run the benchmark; returns ``{"env", "floors", "gate", "peers", "rows"}`` and appends it to
-    ``<out>/moe.json`` (and draws ``<out>/moe.png``)."""
-    out = Path(out) if out is not None else C.RESULTS_DIR
+    ``<out>/moe.json`` (and draws ``<out>/moe.png``); ``out`` defaults to ./sparseops-results/. Each step is
+    announced on stderr as it starts."""
+    t0 = time.perf_counter()
+    out = Path(out) if out is not None else C.DEFAULT_OUT
     env = C.environment()
-    gate = gate_reference()
-    floors = C.measure_floors(copy_mb=16, matmul_n=256, budget_s=0.05) if smoke else C.measure_floors(
-        copy_mb=256 if quick else 512, budget_s=0.3 if quick else 1.0)
-    unpermute, why = (None, "skipped (--smoke / --no-peers)")
-    if peers and not smoke:
-        unpermute, why = C.load_peer("megatron.core.transformer.moe.moe_utils", "unpermute")
+    cfgs = _configs(quick, smoke)
+    use_peer = peers and not smoke
+    st = C.steps("moe", 2 + use_peer + len(cfgs))
+    try:
+        with st.step("correctness gate: ours against the float64 reference"):
+            gate = gate_reference()
+        with st.step("floors: copy bandwidth and matmul rates"):
+            floors = C.measure_floors(copy_mb=16, matmul_n=256, budget_s=0.05) if smoke else C.measure_floors(
+                copy_mb=256 if quick else 512, budget_s=0.3 if quick else 1.0)
+        unpermute, why = (None, "skipped (--smoke / --no-peers)")
+        if use_peer:
+            with st.step("peer: import megatron-core's unpermute"):
+                unpermute, why = C.load_peer("megatron.core.transformer.moe.moe_utils", "unpermute")
+        rows = []
+        for i, cfg in enumerate(cfgs):
+            label = f"shape {i + 1}/{len(cfgs)}: T={cfg['T']} K={cfg['K']} H={cfg['H']} {cfg['dtype']} {cfg['window']} window"
+            with st.step(label + (", Megatron too" if unpermute is not None else "")):
+                case = build_case(cfg)
+                rows.append(bench_case(case, floors, unpermute, quick=quick, smoke=smoke))
+                del case
+    finally:
+        st.close()
     peer_info = {"megatron_core": {"version": C.peer_version("megatron-core"), "function":
                  "megatron.core.transformer.moe.moe_utils.unpermute", "available": unpermute is not None,
                  "why_not": why}}
-    rows = []
-    cfgs = _configs(quick, smoke)
-    for cfg in C.progress(cfgs, desc="moe"):
-        case = build_case(cfg)
-        rows.append(bench_case(case, floors, unpermute, quick=quick, smoke=smoke))
-        del case
     return C.save_run("moe", OP, quick=quick, smoke=smoke, env=env, out=out, rows=rows, plot=_plot if plot else None,
-                      floors=floors, gate=gate, peers=peer_info)
+                      floors=floors, gate=gate, peers=peer_info, duration_s=time.perf_counter() - t0)
+
+
+def _goal(row: dict, key: str) -> str:
+    """``met`` / ``missed``, or ``—`` when the row has no number for that goal (the peer did not run)."""
+    return "—" if key not in row else ("met" if row[key] else "missed")
 
 
 def markdown_table(record: dict) -> str:
@@ -278,8 +295,7 @@ def markdown_table(record: dict) -> str:
     lines = [
         C.env_line(env),
         "",
-        f"Floors measured in the run: copy {f['copy_bandwidth_Bps'] / 1e9:.2f} GB/s (read + write), matmul fp32 "
-        f"{f['matmul_fp32_flops'] / 1e9:.1f} GFLOP/s, bf16 {f['matmul_bf16_flops'] / 1e9:.1f} GFLOP/s.",
+        C.floors_line(f),
         "",
     ]
     hdr = ("H", "dtype", "window", "R", "ours kernel", "ours ms", "floor ms", "ours / floor", "Megatron bwd ms", "speedup",
@@ -290,8 +306,7 @@ def markdown_table(record: dict) -> str:
             return f"{r[key] * 1e3:.1f}" if r.get(key) is not None else "-"
 
         sp = f"{r['speedup_vs_megatron_bwd']:.2f}x" if r.get("speedup_vs_megatron_bwd") else "-"
-        goals = ("met" if r.get("goal_speedup_met") else ("missed" if "goal_speedup_met" in r else "n/a")) + \
-            ", " + ("met" if r["goal_floor_met"] else "missed")
+        goals = _goal(r, "goal_speedup_met") + ", " + _goal(r, "goal_floor_met")
         cells = [str(r["H"]), r["dtype"], f"{r['window']} [{r['s']}, {r['e']})", str(r["R"]),
                  r.get("ours_kernel", "-"), ms("ours_s"),
                  ms("floor_s"), f"{r['ours_over_floor']:.2f}", ms("megatron_bwd_s"), sp, ms("ours_fwdbwd_s"),
@@ -307,17 +322,20 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.report:
-        print(markdown_table(C.last_record(args.out / "moe.json")))
+        print(markdown_table(C.last_record(C.report_dir(args) / "moe.json")))
         return 0
     if args.spread:
-        print(C.spread_table(args.out / "moe.json", ("H", "dtype", "window"), ("ours_s", "megatron_bwd_s", "floor_s")))
+        print(C.spread_table(C.report_dir(args) / "moe.json", ("H", "dtype", "window"),
+                             ("ours_s", "megatron_bwd_s", "floor_s")))
         return 0
     if args.profile:
         case = build_case(_configs(args.quick, args.smoke)[0])
         print(C.profile_table(lambda: ours_grad(case)))
         return 0
-    record = run(quick=args.quick, smoke=args.smoke, out=args.out, peers=not args.no_peers, plot=not args.no_plot)
+    record = run(quick=args.quick, smoke=args.smoke, out=C.out_dir(args), peers=not args.no_peers,
+                 plot=not args.no_plot)
     print(markdown_table(record))
+    print(C.gate_line(record["gate"]))
     return 0
 
 

@@ -12,11 +12,11 @@ What is timed (median after warm-up, one process):
   ``nsa_selected_attention_grad`` given the forward's out / stats) separately;
 - ``fla_fwdbwd``: fla's ``naive_nsa_selection`` then the same ``autograd.grad``;
 - the matmul floor: FLOPs on visible (query head, key) pairs over the fp32 (and bf16) matmul rate measured
-  in the same run. Per visible pair (spec/nsa.md §4): forward ``2·(Dqk + Dv)`` (S = Q·Kᵀ, O = P·V);
+  in the same run. Per visible pair (docs/nsa.md): forward ``2·(Dqk + Dv)`` (S = Q·Kᵀ, O = P·V);
   backward ``2·(3·Dqk + 2·Dv)`` (S recomputed, dV = Pᵀ·dY, dP = dY·Vᵀ, dQ = dS·K, dK = dSᵀ·Q);
   forward + backward ``2·(4·Dqk + 3·Dv)``. A duplicated block counts twice (it is attended twice).
 
-Run: ``python benchmarks/nsa.py [--quick | --smoke] [--out DIR]``.
+Run: ``python benchmarks/nsa.py [--quick | --smoke] [--out DIR | --record]`` (default out: ./sparseops-results/).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def flops_per_pair(Dqk: int, Dv: int) -> dict:
 
 def visible_pairs(topk: torch.Tensor, seqlens_q: list[int], seqlens_kv: list[int], bs: int, G: int,
                   causal: bool) -> int:
-    """Number of (query head, gathered key) pairs that are visible (spec/nsa.md §2), duplicates counted."""
+    """Number of (query head, gathered key) pairs that are visible (docs/nsa.md), duplicates counted."""
     total = 0
     t0 = 0
     for S1, S2 in zip(seqlens_q, seqlens_kv):
@@ -225,7 +225,8 @@ def bench_case(case: dict, floors: dict, naive, *, quick: bool, smoke: bool, fla
     row.update(_time_seed_backward(case, timing))
     row["ours_fwdbwd_flops_per_s"] = row["flops_fwdbwd"] / row["ours_fwdbwd_s"]
     row["ours_share_of_matmul_fp32"] = row["ours_fwdbwd_flops_per_s"] / floors["matmul_fp32_flops"]
-    row["ours_share_of_matmul_bf16"] = row["ours_fwdbwd_flops_per_s"] / floors["matmul_bf16_flops"]
+    row["ours_share_of_matmul_bf16"] = (row["ours_fwdbwd_flops_per_s"] / floors["matmul_bf16_flops"]
+                                        if floors.get("matmul_bf16_units", True) else None)
     row["goal_matmul_met"] = row["ours_share_of_matmul_fp32"] >= MATMUL_GOAL
     row["ours_peak_bytes_per_token"] = (row["ours_fwdbwd_peak_bytes"] / T) if row["ours_fwdbwd_peak_bytes"] else None
 
@@ -236,7 +237,7 @@ def bench_case(case: dict, floors: dict, naive, *, quick: bool, smoke: bool, fla
             naive = None
         elif dtype != torch.float32 and T > 256 and not smoke:
             # fla computes in fp32 whatever the input dtype: beyond the smallest shape its bf16 time is its
-            # fp32 time again, not worth a minute of the run
+            # fp32 time again, not worth timing twice
             row["fla_skipped"] = "bf16: fla computes in fp32, timed at T=256 only"
             naive = None
     if naive is not None:
@@ -289,26 +290,47 @@ def _plot(rows: list[dict], path: Path) -> None:
 def run(quick: bool = False, smoke: bool = False, out: Path | str | None = None, peers: bool = True,
         plot: bool = True, peer_budget_s: float | None = None) -> dict:
     """Run the benchmark; returns ``{"env", "floors", "gate", "peers", "rows"}`` and appends it to
-    ``<out>/nsa.json`` (and draws ``<out>/nsa.png``). fla calls estimated to take longer than
-    ``peer_budget_s`` seconds (default 10 quick, 25 full) are skipped and reported as such."""
-    out = Path(out) if out is not None else C.RESULTS_DIR
+    ``<out>/nsa.json`` (and draws ``<out>/nsa.png``); ``out`` defaults to ./sparseops-results/. fla calls
+    estimated to take longer than ``peer_budget_s`` seconds (default 10 quick, 25 full) are skipped and
+    reported as such. Each step is announced on stderr as it starts."""
+    t0 = time.perf_counter()
+    out = Path(out) if out is not None else C.DEFAULT_OUT
     env = C.environment()
-    gate = gate_reference()
-    floors = C.measure_floors(copy_mb=16, matmul_n=256, budget_s=0.05) if smoke else C.measure_floors(
-        copy_mb=256 if quick else 512, budget_s=0.3 if quick else 1.0)
-    naive, why = (None, "skipped (--smoke / --no-peers)")
-    if peers and not smoke:
-        naive, why = C.load_peer("fla.ops.nsa.naive", "naive_nsa_selection")
+    cfgs = _configs(quick, smoke)
+    use_peer = peers and not smoke
+    st = C.steps("nsa", 2 + use_peer + len(cfgs))
+    try:
+        with st.step("correctness gate: ours against the float64 reference"):
+            gate = gate_reference()
+        with st.step("floors: copy bandwidth and matmul rates"):
+            floors = C.measure_floors(copy_mb=16, matmul_n=256, budget_s=0.05) if smoke else C.measure_floors(
+                copy_mb=256 if quick else 512, budget_s=0.3 if quick else 1.0)
+        naive, why = (None, "skipped (--smoke / --no-peers)")
+        if use_peer:
+            with st.step("peer: import fla-core's naive_nsa_selection"):
+                naive, why = C.load_peer("fla.ops.nsa.naive", "naive_nsa_selection")
+        rows = []
+        _FLA_SPEED.clear()
+        budget = peer_budget_s or (10.0 if quick else 25.0)
+        for i, cfg in enumerate(cfgs):
+            label = (f"shape {i + 1}/{len(cfgs)}: T={cfg['T']} K={cfg['K']} N1={cfg['N1']} N2={cfg['N2']} "
+                     f"{cfg['dtype']}" + (", fla too (when it fits the budget)" if naive is not None else ""))
+            with st.step(label):
+                case = build_case(cfg)
+                rows.append(bench_case(case, floors, naive, quick=quick, smoke=smoke, fla_budget_s=budget))
+                del case
+    finally:
+        st.close()
     peer_info = {"fla_core": {"version": C.peer_version("fla-core"), "function":
                  "fla.ops.nsa.naive.naive_nsa_selection", "available": naive is not None, "why_not": why}}
-    rows = []
-    _FLA_SPEED.clear()
-    for cfg in C.progress(_configs(quick, smoke), desc="nsa"):
-        case = build_case(cfg)
-        rows.append(bench_case(case, floors, naive, quick=quick, smoke=smoke, fla_budget_s=peer_budget_s or (10.0 if quick else 25.0)))
-        del case
     return C.save_run("nsa", OP, quick=quick, smoke=smoke, env=env, out=out, rows=rows, plot=_plot if plot else None,
-                      floors=floors, flops_per_visible_pair=flops_per_pair(192, 128), gate=gate, peers=peer_info)
+                      floors=floors, flops_per_visible_pair=flops_per_pair(192, 128), gate=gate, peers=peer_info,
+                      duration_s=time.perf_counter() - t0)
+
+
+def _goal(row: dict, key: str) -> str:
+    """``met`` / ``missed``, or ``—`` when the row has no number for that goal (fla did not run)."""
+    return "—" if key not in row else ("met" if row[key] else "missed")
 
 
 def markdown_table(record: dict) -> str:
@@ -317,8 +339,7 @@ def markdown_table(record: dict) -> str:
     lines = [
         C.env_line(env),
         "",
-        f"Floors measured in the run: matmul fp32 {f['matmul_fp32_flops'] / 1e9:.1f} GFLOP/s, bf16 "
-        f"{f['matmul_bf16_flops'] / 1e9:.1f} GFLOP/s; copy {f['copy_bandwidth_Bps'] / 1e9:.2f} GB/s.",
+        C.floors_line(f),
         "",
     ]
     hdr = ("T", "K", "G", "dtype", "ours fwd+bwd ms", "ours fwd ms", "ours bwd (seed) ms", "fla fwd+bwd ms",
@@ -331,8 +352,7 @@ def markdown_table(record: dict) -> str:
 
         sp = f"{r['speedup_vs_fla']:.1f}x" if r.get("speedup_vs_fla") else (
             "skipped" if r.get("fla_skipped") else "-")
-        goals = ("met" if r.get("goal_speedup_met") else ("missed" if "goal_speedup_met" in r else "n/a")) + \
-            ", " + ("met" if r["goal_matmul_met"] else "missed")
+        goals = _goal(r, "goal_speedup_met") + ", " + _goal(r, "goal_matmul_met")
         cells = [str(r["T"]), str(r["K"]), str(r["N1"] // r["N2"]), r["dtype"], ms("ours_fwdbwd_s"), ms("ours_fwd_s"), ms("ours_bwd_s"),
                  ms("fla_fwdbwd_s") if r.get("fla_fwdbwd_s") else (
                      "(fp32 math: as fp32)" if "bf16" in r.get("fla_skipped", "") else
@@ -350,10 +370,10 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.report:
-        print(markdown_table(C.last_record(args.out / "nsa.json")))
+        print(markdown_table(C.last_record(C.report_dir(args) / "nsa.json")))
         return 0
     if args.spread:
-        print(C.spread_table(args.out / "nsa.json", ("T", "K", "N2", "dtype"), ("ours_fwdbwd_s", "fla_fwdbwd_s")))
+        print(C.spread_table(C.report_dir(args) / "nsa.json", ("T", "K", "N2", "dtype"), ("ours_fwdbwd_s", "fla_fwdbwd_s")))
         return 0
     if args.profile:
         fp32 = [c for c in _configs(args.quick, args.smoke) if c["dtype"] == "fp32"]
@@ -361,9 +381,10 @@ def main(argv=None) -> int:
         case = build_case(([c for c in fp32 if c["N2"] == SHAPE["N2"] and c["T"] <= 2048] or fp32)[-1])
         print(C.profile_table(lambda: ours_fwdbwd(case)))
         return 0
-    record = run(quick=args.quick, smoke=args.smoke, out=args.out, peers=not args.no_peers, plot=not args.no_plot,
-                 peer_budget_s=args.peer_budget)
+    record = run(quick=args.quick, smoke=args.smoke, out=C.out_dir(args), peers=not args.no_peers,
+                 plot=not args.no_plot, peer_budget_s=args.peer_budget)
     print(markdown_table(record))
+    print(C.gate_line(record["gate"]))
     return 0
 
 

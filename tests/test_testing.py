@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from sparseops.testing import make_nsa_inputs, make_topk_indices, rel_rms_error
+from sparseops.testing import make_moe_case, make_nsa_inputs, make_topk_indices, rel_rms_error
 
 
 def _sets(idx):
@@ -55,10 +55,19 @@ def test_unknown_pattern_or_bad_window_is_an_error():
 
 def test_builders_refuse_different_sequence_counts():
     # zip() would silently have dropped the third query sequence
-    with pytest.raises(ValueError, match=r"seqlens_kv: expected as many sequences as seqlens_q \(3\), got 2"):
+    with pytest.raises(ValueError, match=r"seq_lens_kv: expected as many sequences as seq_lens_q \(3\), got 2"):
         make_topk_indices([4, 5, 6], [4, 5], 1, 1, 16)
-    with pytest.raises(ValueError, match="seqlens_kv"):
+    with pytest.raises(ValueError, match="seq_lens_kv"):
         make_nsa_inputs([4, 5, 6], [4, 5])
+
+
+def test_builders_take_per_sequence_lengths_the_ops_cumulative_ones():
+    # the builders' seq_lens_* are lengths; the ops' actual_seq_*len are their running sums (CANN's form)
+    a = make_nsa_inputs(seq_lens_q=[3, 5], seq_lens_kv=[16, 40], bs=16)
+    assert a["actual_seq_qlen"] == [3, 8] and a["actual_seq_kvlen"] == [16, 56]
+    idx = make_topk_indices(seq_lens_q=[3, 5], seq_lens_kv=[16, 40], N2=1, K=3, bs=16, causal=False)
+    assert idx.shape == (8, 1, 3)
+    assert (idx[:3] <= 0).all() and (idx[3:] < 3).all()  # 1 block in sequence 0, 3 in sequence 1
 
 
 def test_rel_rms_error_non_finite():
@@ -70,3 +79,16 @@ def test_rel_rms_error_non_finite():
     assert rel_rms_error(torch.tensor([nan, inf, -inf, nan, 2.0]), e) == inf  # NaN where expected is finite
     assert rel_rms_error(torch.tensor([1.5, inf, -inf, nan, 2.0]), e) == pytest.approx(
         math.sqrt(0.25 / 2) / math.sqrt(5 / 2))  # over the finite elements
+
+
+def test_moe_case_holds_a_backend_call_of_each_op():
+    from sparseops.moe import reference
+
+    c = make_moe_case(7, 3, 5, (4, 15), dtype=torch.bfloat16, probs_dtype=torch.float32, index_dtype=torch.int64)
+    assert torch.equal(c["si"], reference.sorted_indices_from(c["indices"]).to(torch.int64))
+    assert c["si"].dtype == torch.int64 and c["x"].shape == (11, 5) and c["ppg"].shape == (11,)
+    assert c["x"].dtype == torch.bfloat16 and c["ppg"].dtype == torch.float32 and (c["K"], c["s"], c["e"]) == (3, 4, 15)
+    out = reference.unpermute(c["x"], c["si"], c["probs"], c["K"], c["s"], c["e"])
+    assert out.shape == (7, 5)
+    full = make_moe_case(2, 2, 3)
+    assert (full["s"], full["e"]) == (0, 4) and full["x"].shape == (4, 3)

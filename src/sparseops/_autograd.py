@@ -3,9 +3,9 @@
 A grad op (``moe_token_*_grad``, ``nsa_selected_attention_grad``, and the backward of the differentiable ops)
 called on tensors that require grad gets an autograd formula whose backward is ``sparseops::no_double_backward``:
 given an all-zero cotangent it returns zeros (the exact vector-Jacobian product of any function with a zero
-cotangent), otherwise it raises a ``RuntimeError`` naming the op. Without a formula, eager calls failed only when
-a backward reached the op, but ``torch.compile`` (AOT autograd traces the backward of every output that requires
-grad) failed at compile time even when nothing backpropagated through it. The check reads the cotangents (a
+cotangent), otherwise it raises a ``RuntimeError`` naming the op. Without a formula, ``torch.compile`` (AOT
+autograd traces the backward of every output that requires grad) would fail at compile time even when nothing
+backpropagates through the op; eager calls fail only when a backward reaches it. The check reads the cotangents (a
 device sync on GPU), only on this path.
 """
 

@@ -9,8 +9,8 @@ path is exact to the same tolerances; the sums may add in a different order.
   on-disk cache makes later processes faster). Nothing happens at import time.
 - Shapes are dynamic (one compile serves every size); sizes 0 and 1 stay on the eager path, as inductor
   would specialise on them. Dims equal at the first call share a symbol (dynamo's duck sizing); a later
-  call where they differ recompiles once. (Turning duck sizing off avoids that but measured the MoE kernel
-  2x slower.)
+  call where they differ recompiles once (duck sizing stays on: the kernels specialised without it are
+  slower).
 - Off when ``SPARSEOPS_COMPILE=0`` is set, while ``torch.compile`` is tracing the caller, when dynamo is
   disabled (``TORCHDYNAMO_DISABLE=1``), and after a failed compile (no C++ compiler, an unsupported
   platform, dynamo's recompile limit): a failure is reported once with ``warnings.warn`` and the eager path

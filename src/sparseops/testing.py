@@ -1,6 +1,6 @@
 """Test and benchmark helpers: the one tolerance table, a verbose comparison, input builders.
 
-Tolerances (spec/nsa.md §5) are relative RMS errors against a float64 reference computed from the
+Tolerances (docs/nsa.md) are relative RMS errors against a float64 reference computed from the
 same inputs. They are used for every op, MoE and NSA, and never tuned per test.
 """
 
@@ -109,20 +109,52 @@ def make_moe_inputs(
     }
 
 
+def make_moe_case(
+    T: int,
+    K: int,
+    H: int,
+    window: tuple[int, int] | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    probs_dtype: torch.dtype | None = None,
+    index_dtype: torch.dtype = torch.int32,
+    seed: int = 0,
+    device="cpu",
+) -> dict:
+    """The arguments of the MoE backend functions (``permute``, ``unpermute``, ``unpermute_grad``,
+    ``permute_grad``) for one window ``[s, e)`` (None: all ``N = T*K`` rows), as tests and benchmarks call them.
+
+    Returns ``tokens [T, H]``, ``indices [T, K]``, ``probs [T, K]`` (``probs_dtype``, default ``dtype``),
+    ``si [N]`` (the slot -> row map of the indices, ``index_dtype``), ``x [R, H]`` (rows of the window, for
+    unpermute / permute_grad), ``grad [T, H]``, ``ppg [R]`` (``probs_dtype``), and ``K``, ``s``, ``e``.
+    """
+    d = make_moe_inputs(T, K, H, dtype=dtype, probs_dtype=probs_dtype, index_dtype=index_dtype, seed=seed)
+    flat = d["indices"].reshape(-1).long()
+    order = torch.argsort(flat, stable=True)  # row -> slot; its inverse is slot -> row
+    si = torch.empty_like(order).scatter_(0, order, torch.arange(flat.numel())).to(index_dtype)
+    s, e = (0, T * K) if window is None else window
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(e - s, H, generator=g, dtype=torch.float64).to(dtype)
+    grad = torch.randn(T, H, generator=g, dtype=torch.float64).to(dtype)
+    ppg = torch.randn(e - s, generator=g, dtype=torch.float64).to(probs_dtype or dtype)
+    out = {**d, "si": si, "x": x, "grad": grad, "ppg": ppg}
+    return {**{k: v.to(device) for k, v in out.items()}, "K": K, "s": s, "e": e}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # NSA inputs
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _same_count(seqlens_q, seqlens_kv) -> None:
-    if len(seqlens_q) != len(seqlens_kv):
-        raise ValueError(f"seqlens_kv: expected as many sequences as seqlens_q ({len(seqlens_q)}), "
-                         f"got {len(seqlens_kv)}")
+def _same_count(seq_lens_q, seq_lens_kv) -> None:
+    if len(seq_lens_q) != len(seq_lens_kv):
+        raise ValueError(f"seq_lens_kv: expected as many sequences as seq_lens_q ({len(seq_lens_q)}), "
+                         f"got {len(seq_lens_kv)}")
 
 
 def make_topk_indices(
-    seqlens_q: list[int],
-    seqlens_kv: list[int],
+    seq_lens_q: list[int],
+    seq_lens_kv: list[int],
     N2: int,
     K: int,
     bs: int,
@@ -137,7 +169,12 @@ def make_topk_indices(
     window: int = 64,
 ) -> torch.Tensor:
     """Block ids ``[T1, N2, K]`` int32 local to each token's sequence, drawn without replacement from the blocks
-    a query can use (causal: blocks that start at or before its position; else all blocks of its sequence).
+    a query can use.
+
+    ``seq_lens_q`` / ``seq_lens_kv`` are the per-sequence lengths (``[64, 32]``: two sequences), not the
+    cumulative ``actual_seq_qlen`` / ``actual_seq_kvlen`` of the ops (``[64, 96]`` for the same two).
+
+    The blocks a query can use: causal, those that start at or before its position; else all of its sequence's.
     Slots with no block to draw are -1; ``empty_frac`` turns a random share of the others into -1;
     ``duplicates`` copies slot 0 into slot K-1 for a random half of the rows. Drawn on ``device`` (fast on a GPU
     at long sequences); on the CPU the draws depend only on ``seed``.
@@ -151,14 +188,14 @@ def make_topk_indices(
         raise ValueError(f"pattern: expected 'uniform' or 'nsa', got {pattern!r}")
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window: expected a positive int, got {window!r}")
-    _same_count(seqlens_q, seqlens_kv)
+    _same_count(seq_lens_q, seq_lens_kv)
     device = torch.device(device)
     g = torch.Generator(device=device).manual_seed(seed)
     ar = functools.partial(torch.arange, device=device)
     if pattern == "nsa":
         chunk = max(window, chunk // window * window)  # whole windows per chunk: one score draw per window
     out = []
-    for S1, S2 in zip(seqlens_q, seqlens_kv):
+    for S1, S2 in zip(seq_lens_q, seq_lens_kv):
         nblk = max(1, -(-S2 // bs))
         for c0 in range(0, S1, chunk):
             c1 = min(S1, c0 + chunk)
@@ -195,8 +232,8 @@ def make_topk_indices(
 
 
 def make_nsa_inputs(
-    seqlens_q: list[int],
-    seqlens_kv: list[int] | None = None,
+    seq_lens_q: list[int],
+    seq_lens_kv: list[int] | None = None,
     *,
     N1: int = 4,
     N2: int = 2,
@@ -212,20 +249,23 @@ def make_nsa_inputs(
     device="cpu",
 ) -> dict:
     """Packed TND inputs for ``nsa_selected_attention``: q ``[T1,N1,Dqk]``, k ``[T2,N2,Dqk]``, v ``[T2,N2,Dv]``,
-    topk ``[T1,N2,K]``, CANN cumulative lengths (no leading 0), and the keyword arguments of the op."""
-    seqlens_kv = list(seqlens_q) if seqlens_kv is None else list(seqlens_kv)
-    _same_count(seqlens_q, seqlens_kv)
+    topk ``[T1,N2,K]``, CANN cumulative lengths (no leading 0), and the keyword arguments of the op.
+
+    ``seq_lens_q`` / ``seq_lens_kv`` (None: ``seq_lens_q``) are per-sequence lengths; the returned
+    ``actual_seq_qlen`` / ``actual_seq_kvlen`` are their cumulative sums, as the ops take them."""
+    seq_lens_kv = list(seq_lens_q) if seq_lens_kv is None else list(seq_lens_kv)
+    _same_count(seq_lens_q, seq_lens_kv)
     g = torch.Generator().manual_seed(seed)
-    T1, T2 = sum(seqlens_q), sum(seqlens_kv)
+    T1, T2 = sum(seq_lens_q), sum(seq_lens_kv)
     q = torch.randn(T1, N1, Dqk, generator=g, dtype=torch.float64)
     k = torch.randn(T2, N2, Dqk, generator=g, dtype=torch.float64)
     v = torch.randn(T2, N2, Dv, generator=g, dtype=torch.float64)
     topk = make_topk_indices(
-        seqlens_q, seqlens_kv, N2, K, bs, causal=causal, empty_frac=empty_frac, duplicates=duplicates,
+        seq_lens_q, seq_lens_kv, N2, K, bs, causal=causal, empty_frac=empty_frac, duplicates=duplicates,
         seed=seed + 1, device=device,
     )
     cq, ckv, a, b = [], [], 0, 0
-    for s1, s2 in zip(seqlens_q, seqlens_kv):
+    for s1, s2 in zip(seq_lens_q, seq_lens_kv):
         a += s1
         b += s2
         cq.append(a)

@@ -24,11 +24,8 @@ if _checks.triton_interpret():
     pytest.skip("offline compile needs compiled Triton (TRITON_INTERPRET is set)", allow_module_level=True)
 pytest.importorskip("triton")
 
-from sparseops import _triton  # noqa: E402
-from sparseops.nsa import (
-    api,  # noqa: E402
-    triton_fit,  # noqa: E402
-)
+from sparseops import _backend, _triton  # noqa: E402
+from sparseops.nsa import api, triton_fit  # noqa: E402
 from sparseops.nsa import triton_impl as nsa_triton  # noqa: E402
 from sparseops.nsa import triton_plan as nsa_plan  # noqa: E402
 
@@ -263,7 +260,7 @@ def test_auto_runs_torch_where_a_kernel_does_not_fit(monkeypatch, dtype, G, Dqk,
     # the launchers would then pick the interpreter's settings)
     monkeypatch.setattr(_checks, "resolve_backend", lambda b, d: "triton" if b in ("auto", "triton") else real(b, d))
     monkeypatch.setattr(_checks, "triton_available", lambda: True)
-    monkeypatch.setattr(api, "_AUTO_TORCH", set())
+    monkeypatch.setattr(_backend, "_DOES_NOT_FIT", set())
     monkeypatch.setattr(_triton, "_NO_FIT", {})
     with nsa_plan.SETTINGS.override(dq_atomic=dq_atomic), _triton.offline_compile(86) as launches:
         with pytest.warns(RuntimeWarning, match="nsa_bwd_d.*backend='auto' runs this shape on the torch path"):

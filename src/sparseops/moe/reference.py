@@ -1,6 +1,6 @@
-"""Slow, obvious MoE permute/unpermute that reads like spec/moe.md §3: the test oracle.
+"""Slow, obvious MoE permute/unpermute that reads like the formulas of docs/moe.md: the test oracle.
 
-Every function takes already-validated arguments: the window ``[s, e)`` is normalised (spec §2), ``K`` is
+Every function takes already-validated arguments: the window ``[s, e)`` is normalised (docs/moe.md), ``K`` is
 the top-k, ``sorted_indices`` is the full-length slot -> row map. Loops run over slots; do not use at scale.
 Arithmetic is fp32 (float64 when any input is float64); each output element is rounded once.
 """

@@ -17,27 +17,44 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import os
 import sys
 
 import torch
 
 from .. import _compile
+from .._settings import Settings
 
-#: bytes of one chunk's gathered rows (fp32 upcast size for fp16 / bf16); small enough to stay in a core's L2
-_CHUNK_BYTES = 1 << 18
-#: unpermute_grad's fp32 / float64 path (3 ops per chunk, no upcast buffers) takes chunks this many times larger
-#: (4 MiB, a core's L2): fewer ops, each an OpenMP parallel region ending in a barrier. Measured 1.5x faster
-#: there; the fp16 / bf16 path measured slower with it, so it keeps 256 KiB.
-_BIG_CHUNK_FACTOR = 16
 
-#: the k-ordered sums (unpermute, permute_grad) gather only live rows when fewer than this share of slots
-#: is live (an expert-parallel rank's window); else they walk all K slots of every token
-_SPARSE_FRACTION = 0.5
+@dataclasses.dataclass(frozen=True)
+class MoeTorchSettings:
+    """Tuning knobs of the MoE torch backend (read per call through :data:`SETTINGS`)."""
 
-#: fresh CPU outputs at least this large are advised to use transparent huge pages (see ``_empty_rows``)
-_HUGE_MIN_BYTES = 4 << 20
-_PAGE = 4096
+    #: bytes of one chunk's gathered rows (fp32 upcast size for fp16 / bf16): small enough to stay in a core's L2
+    chunk_bytes: int = 1 << 18
+    #: unpermute_grad's fp32 / float64 path (3 ops per chunk, no upcast buffers) takes chunks this many times
+    #: larger (a core's L2): fewer ops, each an OpenMP parallel region ending in a barrier; the fp16 / bf16 path
+    #: gains nothing from it and keeps ``chunk_bytes``
+    big_chunk_factor: int = 16
+    #: the k-ordered sums (unpermute, permute_grad) gather only live rows when fewer than this share of slots
+    #: is live (an expert-parallel rank's window); else they walk all K slots of every token
+    sparse_fraction: float = 0.5
+    #: fresh CPU outputs at least this large are advised to use transparent huge pages (see ``_empty_rows``)
+    huge_min_bytes: int = 4 << 20
+    #: the compiled kernels (``_compile``) are taken from this many output elements (``R * H`` for the seed op,
+    #: ``T * H`` for the k-ordered sums); below it the eager ops are about as fast and no compile is worth its
+    #: seconds
+    compiled_min_elements: int = 1 << 16
+    #: the k-ordered sums take their compiled kernel up to this K (the loop over k is unrolled in the kernel)
+    compiled_max_k: int = 16
+    #: the alignment of the huge-page advice: the OS page size
+    page_bytes: int = 4096
+
+
+#: the knobs in force; tests and tuning scripts change them with ``SETTINGS.override(...)``
+SETTINGS = Settings(MoeTorchSettings())
+
 _MADV_HUGEPAGE = 14
 
 
@@ -68,34 +85,33 @@ def _empty_rows(n: int, H: int, dtype: torch.dtype, device: torch.device) -> tor
     backed, never their contents; any failure is ignored.
     """
     global _madvise
+    knobs = SETTINGS.get()
     out = torch.empty(n, H, dtype=dtype, device=device)
     nbytes = out.numel() * out.element_size()
     if _madvise is _UNSET:
         _madvise = _load_madvise()
-    if _madvise is not None and out.device.type == "cpu" and nbytes >= _HUGE_MIN_BYTES:
+    if _madvise is not None and out.device.type == "cpu" and nbytes >= knobs.huge_min_bytes:
         p = out.data_ptr()
-        a = (p + _PAGE - 1) & ~(_PAGE - 1)
-        length = (p + nbytes - a) & ~(_PAGE - 1)
+        page = knobs.page_bytes
+        a = (p + page - 1) & ~(page - 1)
+        length = (p + nbytes - a) & ~(page - 1)
         if length > 0:
             _madvise(a, length, _MADV_HUGEPAGE)
     return out
 
 
-#: the compiled kernels (``_compile``) are taken from this many output elements (``R * H`` for the seed op,
-#: ``T * H`` for the k-ordered sums); below it the eager ops are about as fast and no compile is worth its seconds
-_COMPILED_MIN_ELEMENTS = 1 << 16
 _COMPILED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _fusable(src: torch.Tensor, acc_dtype: torch.dtype, sizes: tuple[int, ...], out_elements: int) -> bool:
     """Whether a compiled kernel may take the call: CPU, fp32 accumulation, a compiled dtype, no size below 2
-    (inductor would specialise on 0 and 1) and at least :data:`_COMPILED_MIN_ELEMENTS` output elements."""
+    (inductor would specialise on 0 and 1) and at least ``compiled_min_elements`` output elements."""
     return (
         src.device.type == "cpu"
         and acc_dtype == torch.float32
         and src.dtype in _COMPILED_DTYPES
         and min(sizes) >= 2
-        and out_elements >= _COMPILED_MIN_ELEMENTS
+        and out_elements >= SETTINGS.get().compiled_min_elements
     )
 
 
@@ -106,10 +122,6 @@ def _unpermute_grad_fused(grad, tok, permuted_tokens, scale, ptg, dots):
     g = grad.index_select(0, tok).float()
     ptg.copy_(g * scale.float()[:, None])
     dots.copy_((g * permuted_tokens.float()).sum(-1))
-
-
-#: the k-ordered sums take their compiled kernel up to this K (the loop over k is unrolled in the kernel)
-_COMPILED_MAX_K = 16
 
 
 @_compile.kernel("moe_sum_over_k")
@@ -130,7 +142,7 @@ def _acc_dtype(*ts) -> torch.dtype:
 
 
 def _chunk_rows(H: int, itemsize: int, factor: int = 1) -> int:
-    return max(16, _CHUNK_BYTES * factor // max(1, H * itemsize))
+    return max(16, SETTINGS.get().chunk_bytes * factor // max(1, H * itemsize))
 
 
 def sorted_indices_from(indices: torch.Tensor) -> torch.Tensor:
@@ -176,12 +188,12 @@ def _sum_over_k(src, rows, valid, weights, out):
         valid = valid & (weights != 0)
         # a dead slot's prob (another rank's row) may be inf / NaN: zero it, never multiply it
         weights = torch.where(valid, weights.to(acc_dtype), 0.0)
-    if K <= _COMPILED_MAX_K and _fusable(src, acc_dtype, (T, H, src.shape[0]), T * H):
+    if K <= SETTINGS.get().compiled_max_k and _fusable(src, acc_dtype, (T, H, src.shape[0]), T * H):
         w = valid.to(acc_dtype) if weights is None else weights
         if _sum_over_k_fused(src, rows, w, out):
             return out
     step = _chunk_rows(H, 4 if acc_dtype == torch.float32 else 8)
-    if T * K and int(valid.sum()) < _SPARSE_FRACTION * T * K:
+    if T * K and int(valid.sum()) < SETTINGS.get().sparse_fraction * T * K:
         return _sum_over_live_slots(src, rows, valid, weights, out, acc_dtype, step)
     buf = None
     for t0 in range(0, T, step):
@@ -279,7 +291,7 @@ def unpermute_grad(grad, sorted_indices, permuted_tokens, probs, K, s, e):
     if fusable and _unpermute_grad_fused(grad, tok, permuted_tokens, scale, ptg, dots):
         pass
     elif grad.dtype == acc_dtype and permuted_tokens.dtype == acc_dtype:
-        step = _chunk_rows(H, 4 if acc_dtype == torch.float32 else 8, _BIG_CHUNK_FACTOR)
+        step = _chunk_rows(H, 4 if acc_dtype == torch.float32 else 8, SETTINGS.get().big_chunk_factor)
         for r0 in range(0, R, step):
             r1 = min(R, r0 + step)
             g = ptg[r0:r1]

@@ -1,4 +1,4 @@
-"""Slow, obvious NSA selected attention that reads like spec/nsa.md §2-§4: the test oracle.
+"""Slow, obvious NSA selected attention that reads like the formulas of docs/nsa.md: the test oracle.
 
 Arguments are already validated. ``cu_q`` / ``cu_kv`` are cumulative lengths *with* the leading 0 (Python
 ints); ``causal`` is ``sparse_mode == 2``. Stats are returned as ``[T1, N1]`` (the API repeats them over

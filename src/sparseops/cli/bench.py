@@ -1,0 +1,144 @@
+"""Run the side-by-side benchmarks (benchmarks/<subject>.py of the source repository; they are not part of
+the installed package, and need the peers and matplotlib) and say where the JSON/PNG results went.
+
+Results go to ./sparseops-results/ unless --out DIR says otherwise; --record appends the run to the
+repository's recorded results (benchmarks/results/), which a plain run never touches. Each subject prints
+what it runs and for how long from its start."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ._progress import fmt_duration
+
+HELP = "side-by-side benchmarks vs the peers (needs a source checkout: its benchmarks/ folder)"
+
+#: the benchmark subjects: ``benchmarks/<subject>.py``, each with ``main(argv=None) -> int`` that accepts
+#: ``--quick``, ``--smoke`` and ``--out DIR`` (``benchmarks/_common.make_parser`` gives all three)
+SUBJECTS = ("moe", "nsa", "moe_layer")
+
+#: where a run's results go by default, relative to the working directory (in .gitignore)
+DEFAULT_OUT = "sparseops-results"
+
+_REPO_HINT = ("The benchmark scripts are part of the source repository, not of the installed package: run "
+              "from a source checkout (git clone the repository, pip install -e '.[bench]', run sparseops bench "
+              "there), or pass --repo PATH to one (or set SPARSEOPS_BENCHMARKS=PATH/benchmarks).")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--op", "--subject", dest="op", choices=(*SUBJECTS, "all"), default="all",
+                        help="which benchmark subject (default all)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
+    mode.add_argument("--smoke", action="store_true",
+                      help="the smallest run that exercises every code path (for CI); default --out: a new temporary directory")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--out", metavar="DIR", default=None,
+                       help=f"directory for the JSON/PNG results (default: ./{DEFAULT_OUT}/)")
+    where.add_argument("--record", action="store_true",
+                       help="append the run to the repository's recorded results, benchmarks/results/ (on purpose only)")
+    parser.add_argument("--repo", metavar="PATH", default=None,
+                        help="a source checkout whose benchmarks/ to run (default: the checkout this package runs "
+                        "from, else the working directory)")
+
+
+def benchmarks_dir(repo: str | None = None) -> Path | None:
+    """The ``benchmarks/`` folder to run: ``--repo``, ``$SPARSEOPS_BENCHMARKS``, the checkout this package runs
+    from (an editable install), or ``./benchmarks``; None when none of them holds a benchmark script."""
+    if repo is not None:
+        p = Path(repo)
+        candidates = [p / "benchmarks", p]
+    else:
+        env = os.environ.get("SPARSEOPS_BENCHMARKS")
+        candidates = [Path(env)] if env else []
+        candidates += [Path(__file__).resolve().parents[3] / "benchmarks", Path.cwd() / "benchmarks"]
+    for c in candidates:
+        if any((c / f"{s}.py").is_file() for s in SUBJECTS):
+            return c.resolve()
+    return None
+
+
+def load_benchmark(name: str, repo: str | None = None):
+    """Import ``benchmarks/<name>.py`` as a module; SystemExit with what it needs when it is not there."""
+    d = benchmarks_dir(repo)
+    if d is None or not (d / f"{name}.py").is_file():
+        looked = f"{d}" if d is not None else (repo or "this package's checkout and ./benchmarks")
+        raise SystemExit(f"sparseops bench: benchmarks/{name}.py not found (looked in {looked}). {_REPO_HINT}")
+    path = d / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"sparseops_benchmarks_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(d))  # a script imports its sibling helpers (_common)
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        if sys.path and sys.path[0] == str(d):
+            sys.path.pop(0)
+    if not callable(getattr(mod, "main", None)):
+        raise SystemExit(f"sparseops bench: {path} has no main(argv) function")
+    return mod
+
+
+def out_dir(args: argparse.Namespace, name: str, bench_dir: Path) -> Path:
+    """Where subject ``name`` writes: --out, --record (the recorded results), a temporary directory for
+    --smoke, else ./sparseops-results/."""
+    if args.out:
+        return Path(args.out)
+    if args.record:
+        return bench_dir / "results"
+    if args.smoke:  # a plumbing check: its rows join nothing
+        return Path(tempfile.mkdtemp(prefix=f"sparseops-bench-smoke-{name}-"))
+    return Path.cwd() / DEFAULT_OUT
+
+
+def previous_duration(out: Path, name: str, mode: str) -> float | None:
+    """Seconds the last ``mode`` run recorded in ``out/<name>.json`` took (None when unknown)."""
+    try:
+        runs = json.loads((out / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    runs = runs if isinstance(runs, list) else [runs]
+    for r in reversed(runs):
+        if isinstance(r, dict) and r.get("mode") == mode and isinstance(r.get("duration_s"), (int, float)):
+            return float(r["duration_s"])
+    return None
+
+
+def written_files(out: Path, name: str, since: float) -> list[str]:
+    """The result files ``<out>/<name>.*`` the run wrote (modified since it started)."""
+    if not out.is_dir():
+        return []
+    return sorted(str(p) for p in out.glob(f"{name}.*") if p.is_file() and p.stat().st_mtime >= since - 1)
+
+
+def run(args: argparse.Namespace) -> int:
+    names = list(SUBJECTS) if args.op == "all" else [args.op]
+    mods = [(n, load_benchmark(n, args.repo)) for n in names]  # fail before running anything
+    mode = "smoke" if args.smoke else ("quick" if args.quick else "full")
+    status = 0
+    for name, mod in mods:
+        bench_dir = Path(mod.__file__).resolve().parent
+        out = out_dir(args, name, bench_dir)
+        argv = (["--quick"] if args.quick else []) + (["--smoke"] if args.smoke else []) + ["--out", str(out)]
+        prev = previous_duration(out, name, mode)
+        print(f"== benchmarks/{name}.py {' '.join(argv)}"
+              + (f" (the last {mode} run in {out} took {fmt_duration(prev)})" if prev else ""), flush=True)
+        t0, started = time.perf_counter(), time.time()
+        try:
+            rc = mod.main(argv)
+        except Exception as exc:
+            print(f"== benchmarks/{name}.py FAILED: {type(exc).__name__}: {exc}", flush=True)
+            status = 1
+            continue
+        files = written_files(out, name, started)
+        print(f"results: {', '.join(files) if files else f'(nothing named {name}.* written in {out})'}")
+        print(f"({name} took {fmt_duration(time.perf_counter() - t0)})", flush=True)
+        if rc:
+            status = 1
+    return status

@@ -1,0 +1,196 @@
+"""Differentiable collectives along dim 0 with uneven sizes, on any c10d backend (gloo, NCCL).
+
+- ``all_gather(x, group, sizes)``: rank r contributes ``sizes[r]`` rows; every rank gets the
+  concatenation in rank order. Backward: ``reduce_scatter`` (sum) of the gradient.
+- ``reduce_scatter(x, group, sizes)``: ``x`` has ``sum(sizes)`` rows on every rank; rank r gets the
+  sum over ranks of rows ``[sum(sizes[:r]), sum(sizes[:r+1]))``. Backward: ``all_gather``.
+- ``all_to_all(x, output_split_sizes, input_split_sizes, group)``: ``all_to_all_single`` with uneven
+  splits. Backward: the reverse exchange.
+
+Everything is built on ``all_to_all_single``, which every c10d backend implements with uneven splits
+(gloo has no uneven all-gather). Sums run locally in rank order in fp32 (float64 stays float64) and are
+rounded once, so a reduce-scatter is bitwise the same on every backend and every run. Pictures and traffic:
+docs/moe-layer.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+#: a process group, None meaning the default group (a forward reference: importable without c10d support)
+Group = Optional["dist.ProcessGroup"]
+
+
+def group_size_rank(group: Group) -> tuple[int, int]:
+    """``(world size, rank)`` of ``group`` (the default group when None)."""
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _check_sizes(name: str, sizes, ws: int) -> list[int]:
+    if isinstance(sizes, torch.Tensor):
+        sizes = sizes.tolist()
+    if not isinstance(sizes, Sequence) or len(sizes) != ws:
+        raise ValueError(f"{name}: expected {ws} row counts (one per rank), got {sizes!r}")
+    out = []
+    for s in sizes:
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise ValueError(f"{name}: expected non-negative ints, got {sizes!r}")
+        out.append(int(s))
+    return out
+
+
+def _a2a(x: torch.Tensor, out_sizes: list[int], in_sizes: list[int], group: Group) -> torch.Tensor:
+    """Forward ``all_to_all_single`` along dim 0 (no autograd)."""
+    x = x.contiguous()
+    out = x.new_empty((sum(out_sizes), *x.shape[1:]))
+    dist.all_to_all_single(out, x, output_split_sizes=out_sizes,
+                           input_split_sizes=in_sizes, group=group)
+    return out
+
+
+def _all_gather(x: torch.Tensor, sizes: list[int], group: Group) -> torch.Tensor:
+    ws, _ = group_size_rank(group)
+    n = x.shape[0]
+    if all(s == n for s in sizes):
+        out = x.new_empty((ws * n, *x.shape[1:]))
+        dist.all_gather(list(out.view(ws, *x.shape).unbind(0)), x.contiguous(),
+                        group=group)
+        return out
+    return _a2a(x.expand(ws, *x.shape).reshape(ws * n, *x.shape[1:]), sizes, [n] * ws, group)
+
+
+def _acc_dtype(dt: torch.dtype) -> torch.dtype:
+    return dt if dt in (torch.float64, torch.float32) or not dt.is_floating_point else torch.float32
+
+
+def _reduce_scatter(x: torch.Tensor, sizes: list[int], group: Group) -> torch.Tensor:
+    ws, rank = group_size_rank(group)
+    n = sizes[rank]
+    pieces = _a2a(x, [n] * ws, sizes, group).view(ws, n, *x.shape[1:])
+    acc = pieces[0].to(_acc_dtype(x.dtype), copy=True)
+    for p in pieces[1:]:
+        acc += p
+    return acc.to(x.dtype)
+
+
+def _exchange_sizes(n: int, group: Group, device) -> list[int]:
+    ws, _ = group_size_rank(group)
+    mine = torch.tensor([n], dtype=torch.int64, device=device)
+    out = [torch.empty_like(mine) for _ in range(ws)]
+    dist.all_gather(out, mine, group=group)
+    return [int(t.item()) for t in out]
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _all_gather(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.sizes, ctx.group), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _reduce_scatter(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad.contiguous(), ctx.sizes, ctx.group), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, out_sizes, in_sizes, group):
+        ctx.sizes, ctx.group = (out_sizes, in_sizes), group
+        return _a2a(x, out_sizes, in_sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_sizes, in_sizes = ctx.sizes
+        return _a2a(grad, in_sizes, out_sizes, ctx.group), None, None, None
+
+
+def _check_x(x) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() == 0:
+        raise ValueError("x: expected at least 1 dimension (rows along dim 0), got a 0-dim tensor")
+    return x
+
+
+def all_gather(x: torch.Tensor, group: Group = None, sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Concatenate every rank's rows (dim 0) in rank order; differentiable.
+
+    Args:
+        x: `[n_r, ...]` this rank's rows, any dtype; the trailing dims must agree over the group.
+        group: the process group (None: the default group).
+        sizes: ``[n_0, ..., n_{ws-1}]`` every rank's row count (the same list on every rank); None exchanges
+            them with one small all-gather (a host sync).
+
+    Returns:
+        `[sum(sizes), ...]` in x's dtype: ``out[sum(sizes[:r]) + i] = x_r[i]``. Backward: the gradient's rows
+        summed over ranks and scattered back (:func:`reduce_scatter`), so ``x_r.grad = sum_q grad_q[rows of r]``.
+    """
+    x = _check_x(x)
+    ws, rank = group_size_rank(group)
+    sizes = _exchange_sizes(x.shape[0], group, x.device) if sizes is None else _check_sizes("sizes", sizes, ws)
+    if sizes[rank] != x.shape[0]:
+        raise ValueError(f"sizes: expected sizes[{rank}] = x.shape[0] = {x.shape[0]} on rank {rank}, got {sizes[rank]}")
+    return _AllGather.apply(x, sizes, group)
+
+
+def reduce_scatter(x: torch.Tensor, group: Group = None, sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Sum ``x`` over the ranks and keep this rank's block of rows; differentiable.
+
+    Args:
+        x: `[sum(sizes), ...]` the same shape on every rank, any dtype (16-bit floats are summed in fp32).
+        group: the process group (None: the default group).
+        sizes: rows per rank (the same list everywhere); None splits the rows evenly (``ws`` must divide them).
+
+    Returns:
+        `[sizes[r], ...]` in x's dtype: ``out = sum_q x_q[sum(sizes[:r]) : sum(sizes[:r+1])]``, summed in
+        rank order in fp32 (float64 for float64) and rounded once. Backward: :func:`all_gather`.
+    """
+    x = _check_x(x)
+    ws, _ = group_size_rank(group)
+    if sizes is None:
+        if x.shape[0] % ws:
+            raise ValueError(f"sizes: None needs x.shape[0] divisible by the group size {ws}, got {x.shape[0]} rows")
+        sizes = [x.shape[0] // ws] * ws
+    sizes = _check_sizes("sizes", sizes, ws)
+    if sum(sizes) != x.shape[0]:
+        raise ValueError(f"sizes: expected them to sum to x.shape[0] = {x.shape[0]}, got {sizes} (sum {sum(sizes)})")
+    return _ReduceScatter.apply(x, sizes, group)
+
+
+def all_to_all(x: torch.Tensor, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int],
+               group: Group = None) -> torch.Tensor:
+    """Send ``input_split_sizes[q]`` consecutive rows of ``x`` to rank q, receive ``output_split_sizes[q]``
+    from rank q (``torch.distributed.all_to_all_single`` with uneven splits); differentiable.
+
+    Args:
+        x: `[sum(input_split_sizes), ...]` any dtype.
+        output_split_sizes: rows received from each rank (must match what the peers send).
+        input_split_sizes: rows sent to each rank.
+        group: the process group (None: the default group).
+
+    Returns:
+        `[sum(output_split_sizes), ...]`, blocks in source-rank order. Backward: the reverse exchange.
+    """
+    x = _check_x(x)
+    ws, _ = group_size_rank(group)
+    out_sizes = _check_sizes("output_split_sizes", output_split_sizes, ws)
+    in_sizes = _check_sizes("input_split_sizes", input_split_sizes, ws)
+    if sum(in_sizes) != x.shape[0]:
+        raise ValueError(f"input_split_sizes: expected them to sum to x.shape[0] = {x.shape[0]}, "
+                         f"got {in_sizes} (sum {sum(in_sizes)})")
+    return _AllToAll.apply(x, out_sizes, in_sizes, group)

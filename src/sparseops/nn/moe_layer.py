@@ -1,0 +1,176 @@
+"""The MoE layer: router, grouped experts (the local ones under expert parallelism), shared expert.
+
+The math, the expert-parallel gradient semantics and the dispatchers' traffic are in docs/moe-layer.md.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .._checks import check_float, check_int
+from ..distributed.dispatchers import DISPATCH, DISPATCHERS, Plan
+from .capacity import DROP_POLICIES, capacity, drop_to_sink
+from .experts import ACTIVATIONS, GroupedExperts, _act_fwd
+from .router import TopKRouter
+from .stats import gather_stats
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+class MoEAux(NamedTuple):
+    """The side outputs of :class:`MoELayer`."""
+
+    loss: torch.Tensor  #: 0-dim, router dtype: load-balance + z-loss of the group's batch
+    tokens_per_expert: torch.Tensor  #: `[E]` int64, the slots kept after any capacity drop, summed over the group
+    dropped: int  #: the slots dropped by the capacity, over the group
+
+
+class SharedExpert(nn.Module):
+    """A SwiGLU MLP every token goes through: ``(silu(x w1^T) * (x w3^T)) w2^T``.
+
+    Parameters: ``w1 [Fs, H]``, ``w3 [Fs, H]``, ``w2 [H, Fs]``."""
+
+    def __init__(self, hidden_size: int, ffn_size: int, *, device=None, dtype=None):
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.w1 = nn.Parameter(torch.empty(ffn_size, hidden_size, **kw))
+        self.w3 = nn.Parameter(torch.empty(ffn_size, hidden_size, **kw))
+        self.w2 = nn.Parameter(torch.empty(hidden_size, ffn_size, **kw))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.w1, std=self.w1.shape[1] ** -0.5)
+        nn.init.normal_(self.w3, std=self.w3.shape[1] ** -0.5)
+        nn.init.normal_(self.w2, std=self.w2.shape[1] ** -0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(_act_fwd(F.linear(x, self.w1), F.linear(x, self.w3)), self.w2)
+
+
+class MoELayer(nn.Module):
+    """A mixture-of-experts FFN layer, optionally expert-parallel over ``ep_group``.
+
+    Per token: ``y_t = sum_{k kept} probs[t, k] * expert_{indices[t, k]}(x_t) + shared(x_t)``, the k sum in fp32
+    in k order, rounded once to x's dtype. Submodules: ``router`` (:class:`TopKRouter`, replicated on every
+    rank), ``experts`` (:class:`GroupedExperts` holding this rank's ``E_l = E / ep`` experts, global ids
+    ``[rank * E_l, (rank + 1) * E_l)``), ``shared`` (:class:`SharedExpert` or None).
+
+    Expert parallelism: every rank of ``ep_group`` calls ``forward`` on its own tokens (T may differ, and may
+    be 0) and ``backward`` on its own loss. Rank r's ``y`` and ``x.grad`` equal what one process holding all E
+    experts computes on rank r's tokens. Gradients:
+
+    - local experts (``experts.w1/w3/w2``): the one-process gradient of those experts for the group's whole
+      batch (the sum of all ranks' losses): no factor ep, no averaging. Do not all-reduce them over the EP
+      group (only over data-parallel replicas of the same experts, if any);
+    - router and shared expert (replicated): this rank's partial sums; their sum over the group is the
+      one-process gradient: reduce them with the data-parallel gradient sync, as any replicated parameter;
+    - every parameter gets a gradient tensor on every rank (zeros where no token reached it, also at T = 0).
+
+    Args:
+        hidden_size: H. ffn_size: F of each routed expert. num_experts: E (global). top_k: K.
+        ep_group: the expert-parallel process group (None: one process holds every expert).
+        dispatcher: ``"allgather"`` or ``"alltoall"`` (same results; traffic in docs/moe-layer.md).
+        capacity_factor: None (no drop) or ``> 0``: each expert keeps ``ceil(cf * T * K / E)`` slots of each
+            rank's own tokens. drop_policy: ``"probs"`` (keep the largest) or ``"position"`` (the first).
+        shared_ffn_size: Fs of the shared expert (0: none). activation: ``"swiglu"`` or ``"gelu"`` (routed).
+        backend: passed to the MoE ops (``"auto"``: Triton on CUDA).
+        router_kwargs: :class:`TopKRouter` keywords (``score_func``, ``num_groups``, ``aux_loss_coeff`` ...);
+            ``device`` and ``dtype`` apply to every parameter.
+
+    Forward: ``x [T, H]`` or ``[..., H]`` -> ``(y, MoEAux(loss, tokens_per_expert [E], dropped))``; y has x's
+    shape and dtype (x's dtype must be the experts' weight dtype).
+    """
+
+    def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int, *,
+                 ep_group: dist.ProcessGroup | None = None, dispatcher: str = "allgather",
+                 capacity_factor: float | None = None, drop_policy: str = "probs", shared_ffn_size: int = 0,
+                 activation: str = "swiglu", backend: str = "auto", **router_kwargs):
+        super().__init__()
+        device, dtype = router_kwargs.pop("device", None), router_kwargs.pop("dtype", None)
+        H = check_int("hidden_size", hidden_size, lo=1)
+        E = check_int("num_experts", num_experts, lo=1)
+        check_int("ffn_size", ffn_size, lo=1)
+        check_int("top_k", top_k, lo=1)
+        Fs = check_int("shared_ffn_size", shared_ffn_size, lo=0)
+        if dispatcher not in DISPATCHERS:
+            raise ValueError(f"dispatcher: expected one of {DISPATCHERS}, got {dispatcher!r}")
+        if drop_policy not in DROP_POLICIES:
+            raise ValueError(f"drop_policy: expected one of {DROP_POLICIES}, got {drop_policy!r}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+        if capacity_factor is not None and not check_float("capacity_factor", capacity_factor) > 0:
+            raise ValueError(f"capacity_factor: expected None or a number > 0, got {capacity_factor!r}")
+        if not isinstance(backend, str):
+            raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
+        ep, rank = (1, 0) if ep_group is None else (dist.get_world_size(ep_group), dist.get_rank(ep_group))
+        if E % ep:
+            raise ValueError(f"ep_group: expected a group size that divides num_experts = {E}, got {ep} ranks")
+        self.hidden_size, self.ffn_size, self.num_experts, self.top_k = H, ffn_size, E, top_k
+        self.ep_group, self.ep_size, self.ep_rank = ep_group, ep, rank
+        self.dispatcher, self.drop_policy, self.backend = dispatcher, drop_policy, backend
+        self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
+        kw = {"device": device, "dtype": dtype}
+        self.router = TopKRouter(H, E, top_k, **router_kwargs, **kw)
+        self.experts = GroupedExperts(E // ep, H, ffn_size, activation, **kw)
+        self.shared = SharedExpert(H, Fs, **kw) if Fs else None
+        self._group_checked = ep == 1
+
+    @property
+    def local_experts(self) -> range:
+        """The global ids of the experts this rank holds."""
+        El = self.num_experts // self.ep_size
+        return range(self.ep_rank * El, (self.ep_rank + 1) * El)
+
+    def extra_repr(self) -> str:
+        return (f"ep={self.ep_size}, dispatcher={self.dispatcher!r}, capacity_factor={self.capacity_factor}, "
+                f"drop_policy={self.drop_policy!r}")
+
+    def _check_group(self, device) -> None:
+        """One small all-gather at the first forward: ranks that disagree on the layer's shape fail together."""
+        act = ACTIVATIONS.index(self.experts.activation)
+        mine = [self.num_experts, self.top_k, self.hidden_size, self.ffn_size, DISPATCHERS.index(self.dispatcher),
+                act, -1 if self.shared is None else self.shared.w1.shape[0]]
+        names = ("num_experts", "top_k", "hidden_size", "ffn_size", "dispatcher", "activation", "shared_ffn_size")
+        t = torch.tensor(mine, dtype=torch.int64, device=device)
+        rows = [torch.empty_like(t) for _ in range(self.ep_size)]
+        dist.all_gather(rows, t, group=self.ep_group)
+        for q, row in enumerate(rows):
+            for name, a, b in zip(names, mine, row.tolist()):
+                if a != b:
+                    raise ValueError(f"{name}: expected the same value on every rank of ep_group, got {a} on rank "
+                                     f"{self.ep_rank} and {b} on rank {q}")
+        self._group_checked = True
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
+        """Route, dispatch, combine. ``x [T, H]`` or ``[..., H]`` -> ``(y like x, MoEAux)``; see the class."""
+        x2 = self.router.check_input(x)
+        if x.dtype not in DTYPES:
+            raise TypeError(f"x: expected one of {DTYPES}, got {x.dtype}")
+        if x.dtype != self.experts.w1.dtype:
+            raise TypeError(f"x: expected dtype {self.experts.w1.dtype} (the experts' weights), got {x.dtype}")
+        if not self._group_checked:
+            self._check_group(x.device)
+        E, K, T = self.num_experts, self.top_k, x2.shape[0]
+        logits, scores, indices, probs, routed = self.router.route(x2)
+        psum, zsum = self.router.loss_terms(logits, scores)
+        if self.capacity_factor is not None:
+            indices = drop_to_sink(indices, probs, E, capacity(self.capacity_factor, T, K, E), self.drop_policy)
+        kept = torch.bincount(indices.reshape(-1), minlength=E + 1)[:E]
+        st = gather_stats(self.ep_group, [T], routed, kept, psum.detach(), zsum.detach())  # the one host sync
+        T_g = int(st.total(0))
+        routed_g = st.sum_tensor(1, x.device)
+        loss = self.router.losses(psum, zsum, T_g, routed_g, st.sum_tensor(3, x.device), st.total(4))
+        plan = Plan(tokens=[int(p[0]) for p in st.piece(0)], kept=st.ints(2), rank=self.ep_rank,
+                    world_size=self.ep_size)
+        name = "local" if self.ep_size == 1 else self.dispatcher
+        y = DISPATCH[name](x2, indices, probs, plan, self.experts.apply_counts, self.ep_group, self.backend)
+        if self.shared is not None:
+            y = y + self.shared(x2)
+        kept_g = torch.tensor(plan.group_counts(), dtype=torch.int64, device=x.device)
+        dropped = int(round(sum(sum(p) for p in st.piece(1)))) - int(sum(plan.group_counts()))
+        return y.view(x.shape), MoEAux(loss, kept_g, dropped)

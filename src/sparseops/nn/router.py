@@ -1,0 +1,206 @@
+"""The top-k router: scores, (group-limited) expert choice, probs, load-balance and z losses.
+
+The math, tie rules and loss definitions are in docs/moe-layer.md ("Router"). The router never computes in a
+16-bit type: fp32, or float64 for float64 inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._checks import check_float, check_int
+from .stats import gather_stats
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+
+
+class RouterOutput(NamedTuple):
+    """What :class:`TopKRouter` returns; shapes for ``T`` tokens, ``E`` experts, ``K`` picks."""
+
+    probs: torch.Tensor  #: `[T, K]` router dtype, the weights of the chosen experts
+    indices: torch.Tensor  #: `[T, K]` int32, the chosen experts, each row in descending selection key
+    scores: torch.Tensor  #: `[T, E]` router dtype, softmax or sigmoid of the logits
+    logits: torch.Tensor  #: `[T, E]` router dtype
+    aux_loss: torch.Tensor  #: 0-dim router dtype, load-balance + z-loss over the group's batch
+    tokens_per_expert: torch.Tensor  #: `[E]` int64, this rank's routed slots (before any capacity drop)
+
+
+def router_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The router's compute dtype for inputs of ``dtype``: float64 stays float64, everything else runs in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class TopKRouter(nn.Module):
+    """Route each token to ``top_k`` of ``num_experts`` experts (DeepSeek-V3 / Qwen-MoE style).
+
+    ``logits = x @ weight.T``, ``scores = softmax(logits)`` or ``sigmoid(logits)``, selection key
+    ``s = scores + expert_bias``; with ``num_groups``, only the ``group_topk`` groups with the largest sum of
+    their two best keys stay eligible. ``indices`` are the K eligible experts with the largest key (ties: the
+    lower id); ``probs = scores[indices]``, divided by their row sum when ``norm_topk_prob``, times
+    ``scaling_factor``. Losses over the whole group's batch (``T_g`` tokens, ``c_e`` routed slots):
+    ``aux_loss_coeff * E * sum_e f_e P_e`` with ``f_e = c_e / (T_g K)``, ``P_e = mean_t scores_e / sum scores``,
+    plus ``z_loss_coeff * mean_t logsumexp(logits_t)^2``. See docs/moe-layer.md.
+
+    Args:
+        hidden_size: H. num_experts: E. top_k: K (``1 <= K <= E``, and at most the eligible experts).
+        score_func: ``"softmax"`` or ``"sigmoid"``.
+        norm_topk_prob: divide the K probs by their sum. scaling_factor: multiply them afterwards.
+        num_groups: consecutive expert groups for group-limited routing (must divide E); None: off.
+        group_topk: groups kept per token (``1 <= group_topk <= num_groups``), required with ``num_groups``.
+        aux_loss_coeff, z_loss_coeff: loss weights (``>= 0``).
+        expert_bias: keep a buffer ``expert_bias [E]`` fp32 that steers the choice (aux-loss-free balancing,
+            updated by :func:`sparseops.nn.update_expert_bias`).
+
+    Parameters: ``weight [E, H]``. Buffers: ``expert_bias [E]`` fp32 when ``expert_bias=True``.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, score_func: str = "softmax",
+                 norm_topk_prob: bool = True, scaling_factor: float = 1.0, num_groups: int | None = None,
+                 group_topk: int | None = None, aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
+                 expert_bias: bool = False, device=None, dtype=None):
+        super().__init__()
+        H = check_int("hidden_size", hidden_size, lo=1)
+        E = check_int("num_experts", num_experts, lo=1)
+        K = check_int("top_k", top_k, lo=1)
+        if K > E:
+            raise ValueError(f"top_k: expected at most num_experts = {E}, got {K}")
+        if score_func not in SCORE_FUNCS:
+            raise ValueError(f"score_func: expected one of {SCORE_FUNCS}, got {score_func!r}")
+        if not isinstance(norm_topk_prob, bool):
+            raise TypeError(f"norm_topk_prob: expected a bool, got {type(norm_topk_prob).__name__}")
+        self.scaling_factor = check_float("scaling_factor", scaling_factor)
+        if num_groups is not None:
+            G = check_int("num_groups", num_groups, lo=1)
+            if E % G:
+                raise ValueError(f"num_groups: expected a divisor of num_experts = {E}, got {G}")
+            if group_topk is None:
+                raise ValueError("group_topk: expected an int in [1, num_groups] when num_groups is set, got None")
+            check_int("group_topk", group_topk, lo=1, hi=G)
+            if K > group_topk * (E // G):
+                raise ValueError(f"top_k: expected at most the {group_topk * (E // G)} eligible experts "
+                                 f"(group_topk = {group_topk} groups of {E // G}), got {K}")
+        elif group_topk is not None:
+            raise ValueError(f"group_topk: expected None when num_groups is None, got {group_topk!r}")
+        for name, v in (("aux_loss_coeff", aux_loss_coeff), ("z_loss_coeff", z_loss_coeff)):
+            if not check_float(name, v) >= 0:
+                raise ValueError(f"{name}: expected a number >= 0, got {v!r}")
+        if not isinstance(expert_bias, bool):
+            raise TypeError(f"expert_bias: expected a bool, got {type(expert_bias).__name__}")
+        self.hidden_size, self.num_experts, self.top_k = H, E, K
+        self.score_func, self.norm_topk_prob = score_func, norm_topk_prob
+        self.num_groups, self.group_topk = num_groups, group_topk
+        self.aux_loss_coeff, self.z_loss_coeff = float(aux_loss_coeff), float(z_loss_coeff)
+        self.weight = nn.Parameter(torch.empty(E, H, device=device, dtype=dtype))
+        if expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(E, device=device, dtype=torch.float32))
+            # routed slots since the last update_expert_bias (training-mode forwards only)
+            self.register_buffer("local_tokens_per_expert", torch.zeros(E, device=device, dtype=torch.int64),
+                                 persistent=False)
+        else:
+            self.expert_bias = None
+            self.local_tokens_per_expert = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=self.hidden_size ** -0.5)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, top_k={self.top_k}, "
+                f"score_func={self.score_func!r}, num_groups={self.num_groups}, group_topk={self.group_topk}")
+
+    # -- local routing ---------------------------------------------------------------------------------------
+
+    def check_input(self, x) -> torch.Tensor:
+        """``x`` flattened to `[T, H]`; raises ``TypeError``/``ValueError`` naming ``x``."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"x: expected a floating-point tensor, got {x.dtype}")
+        if x.dim() < 1 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x: expected shape [..., H={self.hidden_size}], got {list(x.shape)}")
+        if x.device != self.weight.device:
+            raise ValueError(f"x: expected device {self.weight.device} (the router weight's), got {x.device}")
+        return x.reshape(-1, self.hidden_size)
+
+    def select(self, scores: torch.Tensor) -> torch.Tensor:
+        """`[T, K]` int64 expert ids from `[T, E]` scores: bias-steered, group-limited, ties to the lower id."""
+        key = scores.detach()
+        if self.expert_bias is not None:
+            key = key + self.expert_bias.to(key.dtype)
+        T, E = key.shape
+        if self.num_groups is not None and self.group_topk < self.num_groups:
+            G = self.num_groups
+            per = key.view(T, G, E // G)
+            gkey = per.topk(min(2, E // G), dim=-1).values.sum(-1)  # [T, G]; sums are order-free here
+            gbest = torch.sort(gkey, dim=-1, descending=True, stable=True).indices[:, :self.group_topk]
+            eligible = torch.zeros(T, G, dtype=torch.bool, device=key.device).scatter_(1, gbest, True)
+            key = key.masked_fill(~eligible.repeat_interleave(E // G, dim=1), -math.inf)
+        return torch.sort(key, dim=-1, descending=True, stable=True).indices[:, :self.top_k]
+
+    def route(self, x2: torch.Tensor):
+        """Local routing of `[T, H]` tokens: ``(logits, scores, indices int64, probs, tokens_per_expert)``."""
+        rdt = router_dtype(x2.dtype)
+        logits = x2.to(rdt) @ self.weight.to(rdt).T
+        scores = torch.softmax(logits, dim=-1) if self.score_func == "softmax" else torch.sigmoid(logits)
+        indices = self.select(scores)
+        probs = scores.gather(1, indices)
+        if self.norm_topk_prob:
+            probs = probs / probs.sum(-1, keepdim=True)
+        if self.scaling_factor != 1.0:
+            probs = probs * self.scaling_factor
+        counts = torch.bincount(indices.flatten(), minlength=self.num_experts)
+        if self.training and self.local_tokens_per_expert is not None:
+            with torch.no_grad():
+                self.local_tokens_per_expert += counts
+        return logits, scores, indices, probs, counts
+
+    # -- losses over the group ----------------------------------------------------------------------------------
+
+    def loss_terms(self, logits: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's differentiable sums: ``sum_t s_hat[t, :]`` `[E]` and ``sum_t logsumexp(logits_t)^2``."""
+        s_hat = scores if self.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
+        return s_hat.sum(0), torch.logsumexp(logits, dim=-1).pow(2).sum()
+
+    def losses(self, psum: torch.Tensor, zsum: torch.Tensor, T_g: int, counts_g: torch.Tensor,
+               psum_g: torch.Tensor, zsum_g: float) -> torch.Tensor:
+        """The group's loss value with gradients into this rank's terms only (docs/moe-layer.md, "Losses").
+
+        ``psum``, ``zsum``: this rank's :meth:`loss_terms`; ``T_g``, ``counts_g [E]``, ``psum_g [E]``,
+        ``zsum_g``: the group's totals (no gradient)."""
+        rdt = psum.dtype
+        zero = psum.new_zeros(())
+        if T_g == 0 or (self.aux_loss_coeff == 0 and self.z_loss_coeff == 0):
+            return zero
+        E, K = self.num_experts, self.top_k
+        local = zero
+        full = 0.0
+        if self.aux_loss_coeff:
+            f = counts_g.to(rdt) / (T_g * K)
+            w = self.aux_loss_coeff * E / T_g
+            local = local + w * (f * psum).sum()
+            full += w * float((f.double() * psum_g.double()).sum())
+        if self.z_loss_coeff:
+            local = local + self.z_loss_coeff / T_g * zsum
+            full += self.z_loss_coeff / T_g * zsum_g
+        return local - local.detach() + full
+
+    def forward(self, x: torch.Tensor, group: dist.ProcessGroup | None = None) -> RouterOutput:
+        """Route ``x [T, H]`` (or ``[..., H]``, flattened); losses over ``group``'s batch (None: this process).
+
+        Returns:
+            :class:`RouterOutput` ``(probs [T, K], indices [T, K] int32, scores [T, E], logits [T, E],
+            aux_loss [], tokens_per_expert [E] int64)``; floats in fp32 (float64 for float64 x).
+        """
+        x2 = self.check_input(x)
+        logits, scores, indices, probs, counts = self.route(x2)
+        psum, zsum = self.loss_terms(logits, scores)
+        T = x2.shape[0]
+        st = gather_stats(group, [T], counts, psum.detach(), zsum.detach())
+        aux = self.losses(psum, zsum, int(st.total(0)), st.sum_tensor(1, counts.device),
+                          st.sum_tensor(2, psum.device), st.total(3))
+        return RouterOutput(probs, indices.to(torch.int32), scores, logits, aux, counts)

@@ -1,0 +1,40 @@
+"""Fixtures shared by the test suite."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def override():
+    """``override(SETTINGS, **knobs)``: change a backend's tuning knobs for the rest of the test.
+
+    The settings object's own context manager (``SETTINGS.override``), entered now and left when the test ends,
+    so that a test chooses a code path the way a tuning script does, without touching module globals.
+    """
+    with contextlib.ExitStack() as stack:
+        yield lambda settings, **knobs: stack.enter_context(settings.override(**knobs))
+
+
+def _dense(t):
+    return t.to_dense() if t.layout != torch.strided else t
+
+
+@pytest.fixture
+def untouched():
+    """``check = untouched(tensors)`` copies a mapping's tensors now; ``check()`` later asserts that none was written
+    (sparse ones compared densely): a failing call must leave the caller's tensors as they were."""
+
+    def snapshot(tensors: dict):
+        before = {k: v.clone() for k, v in tensors.items() if isinstance(v, torch.Tensor)}
+
+        def check():
+            for k, v in before.items():
+                assert torch.equal(_dense(tensors[k]), _dense(v)), f"caller tensor {k} was modified"
+
+        return check
+
+    return snapshot

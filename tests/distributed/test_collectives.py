@@ -1,0 +1,95 @@
+"""sparseops.distributed collectives on spawned gloo processes: uneven sizes, empty ranks, every dtype, gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparseops.distributed import all_gather, all_to_all, reduce_scatter, spawn
+
+pytestmark = pytest.mark.distributed
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32)
+
+
+def _rows(n: int, rank: int, dt: torch.dtype) -> torch.Tensor:
+    return (torch.arange(n * 3).reshape(n, 3) + 100 * rank).to(dt)
+
+
+def _worker(rank, ws, size_sets):
+    return [_one(rank, ws, list(sizes)) for sizes in size_sets] + [torch.get_num_threads()]
+
+
+def _one(rank, ws, sizes):
+    import torch.distributed as dist
+
+    out = {"rank": rank}
+    for dt in DTYPES:
+        x = _rows(sizes[rank], rank, dt)
+        if dt.is_floating_point:
+            x.requires_grad_(True)
+        g = all_gather(x, None, sizes)
+        out[("gather", dt)] = g.detach().clone()
+        out[("gather-exchanged", dt)] = all_gather(x.detach(), None).clone()  # sizes exchanged
+        if dt.is_floating_point:
+            (g * (rank + 1)).sum().backward()
+            out[("gather.grad", dt)] = x.grad.clone()
+            y = torch.ones(sum(sizes), 3, dtype=dt, requires_grad=True)
+            r = reduce_scatter(y * (rank + 1), None, sizes)
+            out[("scatter", dt)] = r.detach().clone()
+            r.sum().backward()
+            out[("scatter.grad", dt)] = y.grad.clone()
+    # all_to_all: rank r sends (r + q) % 3 rows to rank q
+    send = [(rank + q) % 3 for q in range(ws)]
+    recv = [(q + rank) % 3 for q in range(ws)]
+    x = (torch.arange(sum(send), dtype=torch.float64) + 10 * rank).requires_grad_(True)
+    y = all_to_all(x[:, None] * torch.ones(2, dtype=torch.float64), recv, send)
+    (y * torch.arange(1, y.shape[0] + 1, dtype=torch.float64)[:, None]).sum().backward()
+    out["a2a"], out["a2a.grad"] = y.detach(), x.grad
+    # bad input: sizes that do not match this rank's rows (no collective is started)
+    try:
+        all_gather(torch.ones(sizes[rank] + 1, 3), None, sizes)
+    except ValueError as exc:
+        out["bad"] = str(exc)
+    dist.barrier()
+    return out
+
+
+SIZE_SETS = ((0, 4, 1), (0, 0, 0))  # uneven with an empty rank; empty everywhere
+
+
+def test_collectives_uneven():
+    res = spawn(_worker, 3, SIZE_SETS, timeout=120.0)
+    assert [r[-1] for r in res] == [1, 1, 1]  # spawn's workers run one thread
+    for i, sizes in enumerate(SIZE_SETS):
+        _check([r[i] for r in res], list(sizes))
+
+
+def _check(res, sizes):
+    ws = len(sizes)
+    assert [out["rank"] for out in res] == list(range(ws))  # results in rank order
+    full = torch.cat([_rows(n, r, torch.int64) for r, n in enumerate(sizes)])
+    tri = ws * (ws + 1) / 2  # sum over ranks of (rank + 1)
+    for r, out in enumerate(res):
+        for dt in DTYPES:
+            assert torch.equal(out[("gather", dt)], full.to(dt)), (r, dt)
+            assert torch.equal(out[("gather-exchanged", dt)], full.to(dt)), (r, dt)
+            if dt.is_floating_point:
+                # backward of a gather: every rank's gradient summed over ranks
+                assert torch.equal(out[("gather.grad", dt)], torch.full((sizes[r], 3), tri, dtype=dt)), (r, dt)
+                assert torch.equal(out[("scatter", dt)], torch.full((sizes[r], 3), tri, dtype=dt)), (r, dt)
+                assert torch.equal(out[("scatter.grad", dt)], torch.full((sum(sizes), 3), r + 1.0, dtype=dt)), (r, dt)
+        # rank r receives (q + r) % 3 rows from rank q: rows j of q's block for r
+        exp, grad = [], torch.zeros(sum((r + q) % 3 for q in range(ws)), dtype=torch.float64)
+        for q in range(ws):
+            start = sum((q + p) % 3 for p in range(r))
+            exp += [start + j + 10 * q for j in range((q + r) % 3)]
+        assert out["a2a"][:, 0].tolist() == exp and out["a2a"][:, 1].tolist() == exp
+        # the reverse exchange: row i of what rank q received from r has weight (its position + 1), twice
+        for q in range(ws):
+            got_q = sum((p + q) % 3 for p in range(r))  # rows q received from ranks < r
+            start_r = sum((r + p) % 3 for p in range(q))  # where r's block for q starts
+            for j in range((r + q) % 3):
+                grad[start_r + j] = 2 * (got_q + j + 1)
+        assert torch.equal(out["a2a.grad"], grad), r
+        assert "sizes: expected sizes" in out["bad"]
