@@ -7,6 +7,14 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TRITON_VERSION ?= 3.6.0
+# the newest Triton the kernels are tested on (the top of the `triton` extra's range in pyproject.toml): the
+# interpreter tests run under it too, from a second venv with torch, Triton and pytest only (the project on
+# PYTHONPATH)
+TRITON_LATEST ?= 3.9.0
+VENV_LATEST := .venv-triton-latest
+# the Triton kernels on the CPU: the interpreter, exact fp32 dots; in their own pytest processes
+INTERPRET := TRITON_INTERPRET=1 TRITON_F32_DEFAULT=ieee
+TRITON_TESTS := tests/moe/test_triton_impl.py tests/nsa/test_triton_impl.py tests/nsa/test_triton_plan.py
 
 .PHONY: run test lint check bench peers clean
 
@@ -20,16 +28,24 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test,bench]'
 	touch $@
 
+$(VENV_LATEST)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV_LATEST)
+	$(VENV_LATEST)/bin/python -m pip install -q --upgrade pip
+	$(VENV_LATEST)/bin/python -m pip install -q torch==2.13.0
+	$(VENV_LATEST)/bin/python -m pip install -q triton==$(TRITON_LATEST) numpy pytest
+	touch $@
+
 run: $(BIN)/.installed
 	$(BIN)/sparseops info
 	$(BIN)/sparseops check
 	$(BIN)/sparseops demo --quick
 	$(BIN)/sparseops bench --quick
 
-test: $(BIN)/.installed
+test: $(BIN)/.installed $(VENV_LATEST)/.installed
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest -q
-	TRITON_INTERPRET=1 TRITON_F32_DEFAULT=ieee $(BIN)/python -m pytest -q -p no:cacheprovider tests/moe/test_moe_triton.py tests/nsa/test_nsa_triton.py
+	$(INTERPRET) $(BIN)/python -m pytest -q -p no:cacheprovider $(TRITON_TESTS)
+	$(INTERPRET) PYTHONPATH=src $(VENV_LATEST)/bin/python -m pytest -q -p no:cacheprovider $(TRITON_TESTS)
 
 check: $(BIN)/.installed
 	$(BIN)/sparseops check
@@ -44,4 +60,4 @@ peers: $(BIN)/.installed
 	$(BIN)/python -m pip install -q --no-deps --target .peers fla-core==0.6.0 einops==0.8.2 pytest==9.2.0 pytest-xdist==3.8.0 execnet==2.1.2 pluggy iniconfig packaging
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VENV_LATEST) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache

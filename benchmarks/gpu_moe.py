@@ -315,19 +315,17 @@ def tune(device, log, ops=OPS) -> dict:
     for window in ("full", "quarter"):
         a = make_inputs(16384, 7168, 8, 64, window, torch.bfloat16, torch.float32, device)
         for op, grid in grids.items():
-            triton_impl._override.pop(op, None)
             default_ms = bench_ms(lambda op=op, a=a: getattr(triton_impl, op)(*op_args(op, a)), device)
             results = []
             for cfg in grid:
-                triton_impl._override[op] = cfg
                 try:
-                    ms = bench_ms(lambda op=op, a=a: getattr(triton_impl, op)(*op_args(op, a)), device)
+                    with triton_impl.SETTINGS.override(**{f"{op}_tile": cfg}):
+                        ms = bench_ms(lambda op=op, a=a: getattr(triton_impl, op)(*op_args(op, a)), device)
                     results.append((ms, cfg))
                     log(f"  tune {op:15s} {window:8s} BLOCK_K={cfg[0]} BLOCK_J={cfg[1]} BLOCK_H={cfg[2]} "
                         f"warps={cfg[3]}: {ms:.3f} ms")
                 except Exception as exc:
                     log(f"  tune {op:15s} {window:8s} {cfg}: failed {type(exc).__name__}: {exc}")
-            triton_impl._override.pop(op, None)
             if results:
                 ms, cfg = min(results)
                 best[f"{op}/{window}"] = {"config": cfg, "ms": ms, "default_ms": default_ms}

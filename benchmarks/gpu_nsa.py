@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from sparseops import testing  # noqa: E402
 from sparseops._varlen import seq_lengths, token_seq_positions  # noqa: E402
-from sparseops.nsa import reference, triton_impl  # noqa: E402
+from sparseops.nsa import reference, triton_fit, triton_impl, triton_plan  # noqa: E402
 
 PAPER = dict(N2=4, G=16, Dqk=192, Dv=128, bs=64, K=16)
 
@@ -305,7 +305,7 @@ def run_row(device, T, G, dtype, smoke, cfg, pattern="uniform"):
     row = {"T": T, "G": G, "selection": pattern, "N2": N2, "Dqk": Dqk, "Dv": Dv, "bs": bs, "K": K, "visible_pairs": vis,
            "fwd_flop": fwd_flop, "bwd_flop": bwd_flop, **traffic(q, topk, vis, bs, Dv, cu)}
     # what the forward's launches do here: wide / ordinary programs and their block loads, against one per token
-    pack = triton_impl.pack_stats(q, topk, cu, bs, Dv)
+    pack = triton_plan.pack_stats(q, topk, cu, cu, bs, Dv)
     row.update({f"fwd_{n}": x for n, x in pack.items()})
     row["fwd_block_loads_vs_per_token"] = (pack["wide_steps"] + pack["ordinary_steps"]) / max(1, pack["token_steps"])
     bwd = partial(triton_impl.backward, q, k, v, out, dout, m, l, topk, sc, bs, cu, cu, True)
@@ -337,7 +337,7 @@ def run_row(device, T, G, dtype, smoke, cfg, pattern="uniform"):
 
 def compile_check(Gs=(1, 4, 16, 32), cfg=None, arch=90):
     """Compile every launch of the forward and the three backward variants for ``sm_<arch>`` without a GPU
-    (``triton_impl.compile_report``, as ``sparseops fit``) at each G and print each kernel's shared memory,
+    (``triton_fit.compile_report``, as ``sparseops fit``) at each G and print each kernel's shared memory,
     registers and spill stack. Returns the rows, each with its G."""
     from sparseops import _triton
     from sparseops.cli.fit import fit_lines
@@ -348,11 +348,11 @@ def compile_check(Gs=(1, 4, 16, 32), cfg=None, arch=90):
           + ", ".join(f"{k}={v}" for k, v in shape.items()) + ", bf16")
     rows = []
     for G in Gs:
-        tile = triton_impl._q_tile(G, shape["K"], shape["bs"], triton_impl._head_blocks(shape["Dqk"], shape["Dv"]))[0]
+        tile = triton_plan._q_tile(G, shape["K"], shape["bs"], triton_plan._head_blocks(shape["Dqk"], shape["Dv"]))[0]
         print(f"G={G}: forward / dQ tiles of {tile['PACK']} token(s) x {tile['BLOCK_G']} head rows, and wide packs of "
-              f"{triton_impl.wide_pack_size(G)} tokens x {triton_impl._next_pow2(G)} (forward and dQ on sm_90 / "
+              f"{triton_plan.wide_pack_size(G)} tokens x {triton_plan._next_pow2(G)} (forward and dQ on sm_90 / "
               "sm_100, the forward alone on mma.sync GPUs; rows= below)")
-        got = triton_impl.compile_report(arch, G=G, **shape)
+        got = triton_fit.compile_report(arch, G=G, **shape)
         for line in fit_lines(got):
             print(line, flush=True)
         rows += [{"G": G, **r} for r in got]
@@ -360,14 +360,14 @@ def compile_check(Gs=(1, 4, 16, 32), cfg=None, arch=90):
 
 
 def tune(device, cfg, smoke=False, on_step=None):
-    """Time forward / backward variants of the module-level launch settings at T = 32K, G = 16."""
+    """Time forward / backward variants of the launch settings (``triton_plan.SETTINGS``) at T = 32K, G = 16."""
     N2, Dqk, Dv, bs, K = cfg["N2"], cfg["Dqk"], cfg["Dv"], cfg["bs"], cfg["K"]
     q, k, v, topk, cu = make_inputs([48 if smoke else 32768], N2=N2, G=2 if smoke else 16, Dqk=Dqk, Dv=Dv, bs=bs,
                                     K=K, dtype=torch.float32 if smoke else torch.bfloat16, device=device)
     sc = 1.0 / math.sqrt(Dqk)
     # token packing at G = 16: wide packs (4 tokens x 16 heads, wgmma) where a pack shares enough blocks
     # (WIDE_SHARE), off (WIDE_ROWS = 0), always (WIDE_SHARE = 1e9), and ordinary packs of 2 tokens (PACK_ROWS =
-    # 32). With uniformly drawn ids neighbours rarely share a block (the adaptive rule should keep them ordinary:
+    # 32). A variant names its knobs in capitals in the results; they are the settings' fields in lower case. With uniformly drawn ids neighbours rarely share a block (the adaptive rule should keep them ordinary:
     # its cost there is the pack table); on the NSA-like selection (first, own and previous block forced, the rest
     # shared by each 64-token window) a shared block loads once per pack.
     nsa_ids = testing.make_topk_indices([q.shape[0]], [q.shape[0]], N2, K, bs, seed=2, device=device, chunk=8192,
@@ -376,9 +376,6 @@ def tune(device, cfg, smoke=False, on_step=None):
     # the forward's out and stats with the base settings, the backward's inputs for every variant
     fwd = {name: triton_impl.forward(q, k, v, ids, sc, bs, cu, cu, True) for name, ids in selections.items()}
     dout = torch.randn_like(fwd["uniform"][0])
-    names = ("FWD_STAGES", "DKV_ROWS", "DKV_WARPS", "DKV_STAGES", "CHUNK", "DQ_ATOMIC", "PACK_ROWS", "DKV_KEY_ROWS",
-             "WIDE_ROWS", "WIDE_SHARE")
-    base = {n: getattr(triton_impl, n) for n in names}
     # most telling first: a run cut short by its time limit keeps the variants it finished
     # (DKV_KEY_ROWS = 32: two dK/dV programs per 64-key block, half the shared memory each, q/dY gathered twice)
     variants = [{}, {"DKV_ROWS": 64}, {"DQ_ATOMIC": True}, {"CHUNK": 64}, {"DKV_KEY_ROWS": 16}] if smoke else [
@@ -396,18 +393,9 @@ def tune(device, cfg, smoke=False, on_step=None):
         ids = selections[sel]
         out, m, l = fwd[sel]
         try:
-            for n, val in {**base, **var}.items():
-                setattr(triton_impl, n, val)
-            fwd_call = partial(triton_impl.forward, q, k, v, ids, sc, bs, cu, cu, True)
-            bwd_call = partial(triton_impl.backward, q, k, v, out, dout, m, l, ids, sc, bs, cu, cu, True)
-            # each variant's results against its selection's base (a wrong variant must not look fast)
-            got = (*fwd_call()[:1], *bwd_call())
-            ref = refs.setdefault(sel, got)
-            err = max(testing.rel_rms_error(x, y) for x, y in zip(got, ref))
-            row = {**label, "fwd_ms": bench(fwd_call, smoke), "bwd_ms": bench(bwd_call, smoke)}
-            if det:
-                row["bwd_det_ms"] = bench(partial(bwd_call, deterministic=True), smoke)
-            res.append({**row, "rel_rms_vs_base": err})
+            with triton_plan.SETTINGS.override(**{n.lower(): x for n, x in var.items()}):
+                row, err = _tune_run(q, k, v, ids, out, dout, m, l, sc, bs, cu, refs, sel, det, smoke)
+            res.append({**label, **row, "rel_rms_vs_base": err})
             times = ", ".join(f"{n[:-3].replace('_', ' ')} {row[n]:.3f} ms" for n in row if n.endswith("_ms"))
             print(f"tune {label or 'base'}: {times} (out/dq/dk/dv vs base: rel. RMS <= {err:.1e})", flush=True)
         except Exception as e:  # noqa: BLE001
@@ -415,9 +403,21 @@ def tune(device, cfg, smoke=False, on_step=None):
             res.append({**label, "error": f"{type(e).__name__}: {e}"})
         if on_step is not None:
             on_step(res)
-    for n, val in base.items():
-        setattr(triton_impl, n, val)
     return res
+
+
+def _tune_run(q, k, v, ids, out, dout, m, l, sc, bs, cu, refs, sel, det, smoke):
+    """One tuning variant under the settings in force: its times, and its results' error against its selection's
+    base (a wrong variant must not look fast)."""
+    fwd_call = partial(triton_impl.forward, q, k, v, ids, sc, bs, cu, cu, True)
+    bwd_call = partial(triton_impl.backward, q, k, v, out, dout, m, l, ids, sc, bs, cu, cu, True)
+    got = (*fwd_call()[:1], *bwd_call())
+    ref = refs.setdefault(sel, got)
+    err = max(testing.rel_rms_error(x, y) for x, y in zip(got, ref))
+    row = {"fwd_ms": bench(fwd_call, smoke), "bwd_ms": bench(bwd_call, smoke)}
+    if det:
+        row["bwd_det_ms"] = bench(partial(bwd_call, deterministic=True), smoke)
+    return row, err
 
 
 def git_commit():
@@ -453,8 +453,7 @@ def main():
     meta = {
         "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit(), "smoke": smoke,
-        "chunk": triton_impl.CHUNK, "dq_atomic": triton_impl.DQ_ATOMIC, "wide_rows": triton_impl.WIDE_ROWS,
-        "wide_share": triton_impl.WIDE_SHARE,
+        **{n: getattr(triton_plan.SETTINGS.get(), n) for n in ("chunk", "dq_atomic", "wide_rows", "wide_share")},
     }
     res = {"meta": meta, "rows": [], "tune": None}
 

@@ -21,7 +21,7 @@ grep -v '^  File\|^    ' "$OUT/bench.log" | tail -60
 # it). The image's own pytest plugins are not loaded (the carried pytest may not match them); -v: a line per test,
 # so a run cut by the timeout still says which tests passed
 XDIST=$($PY -c "import importlib.util as u; print('-p xdist.plugin -n 8' if u.find_spec('xdist') else '')")
-PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 timeout -k 10 "${TEST_S:-100}" $PY -m pytest tests/nsa/test_nsa_triton.py -v -x \
+PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 timeout -k 10 "${TEST_S:-100}" $PY -m pytest tests/nsa/test_triton_impl.py tests/nsa/test_triton_plan.py -v -x \
     -p no:cacheprovider $XDIST > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$?"
 grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest.log" | tail -25

@@ -12,7 +12,10 @@
   ``ptxas``, no GPU needed) with exactly the arguments, constexprs, warps and stages it would run with, checks
   its shared memory against that GPU's limit (the retry and the error above included), records it, and runs
   nothing. The launchers' arguments can be CPU tensors there. That is how CI checks, without a GPU, that every
-  kernel compiles for real GPUs at the documented shapes (tests/test_triton_offline_compile.py).
+  kernel compiles for real GPUs at the documented shapes (tests/nsa/test_triton_fit.py, tests/test_triton.py).
+
+Kernel arguments travel by name: ``launch(kernel, grid, device, {"q": q, ...}, num_warps=..., BLOCK=...)`` calls
+``kernel[grid](q=q, ..., BLOCK=...)``, so a launcher cannot shift an argument into the wrong parameter.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 
 from . import _checks
 
+#: the stage count that fitted, per (kernel, device, warps, stages asked, constexprs): a cache, not a knob
 _STAGES: dict = {}
 #: launches that do not fit even unpipelined, by the same key: their error, raised again without a retry
 _NO_FIT: dict = {}
@@ -128,11 +132,11 @@ def offline_compile(arch: int = 90):
         driver._active = previous
 
 
-def _compile_offline(kernel, grid, args, opts: dict, meta: dict, shape: str, asked: int | None) -> None:
+def _compile_offline(kernel, grid, args: dict, opts: dict, meta: dict, shape: str, asked: int | None) -> None:
     from triton.runtime.errors import OutOfResources
 
     arch, records = _OFFLINE
-    compiled = kernel.warmup(*args, grid=grid, **opts, **meta)
+    compiled = kernel.warmup(grid=grid, **args, **opts, **meta)
     shared = compiled.metadata.shared
     if shared > SHARED_LIMIT[arch]:
         raise OutOfResources(shared, SHARED_LIMIT[arch], "shared memory")
@@ -143,12 +147,13 @@ def _compile_offline(kernel, grid, args, opts: dict, meta: dict, shape: str, ask
     ))
 
 
-def launch(kernel, grid, device: torch.device, args, *, num_warps: int, num_stages: int | None = None,
+def launch(kernel, grid, device: torch.device, args: dict, *, num_warps: int, num_stages: int | None = None,
            shape: str = "", **meta) -> None:
-    """``kernel[grid](*args, num_warps=..., num_stages=..., **meta)`` on ``device``.
+    """``kernel[grid](**args, num_warps=..., num_stages=..., **meta)`` on ``device``.
 
-    ``shape`` names the arguments that size the kernel's tiles, for the error message
-    (e.g. ``"selected_block_size=128, Dqk=256, Dv=256"``)."""
+    ``args``: the kernel's run-time arguments (tensors, scalars) by parameter name; ``meta``: its constexprs, which
+    with the warps and stages key the remembered stage count. ``shape`` names the arguments that size the kernel's
+    tiles, for the error message (e.g. ``"selected_block_size=128, Dqk=256, Dv=256"``)."""
     from triton.runtime.errors import OutOfResources
 
     where = f"offline-sm_{_OFFLINE[0]}" if _OFFLINE is not None else str(device)
@@ -164,9 +169,9 @@ def launch(kernel, grid, device: torch.device, args, *, num_warps: int, num_stag
                 _compile_offline(kernel, grid, args, opts, meta, shape, num_stages)
             elif device.type == "cuda":
                 with torch.cuda.device(device):
-                    kernel[grid](*args, **opts, **meta)
+                    kernel[grid](**args, **opts, **meta)
             else:
-                kernel[grid](*args, **opts, **meta)
+                kernel[grid](**args, **opts, **meta)
         except OutOfResources as e:
             if e.name == "shared memory" and stages is not None and stages > 1:
                 stages -= 1

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         print("sparseops fit needs triton (pip install sparseops[triton])", file=sys.stderr)
         return 2
     from sparseops import _triton
-    from sparseops.nsa import triton_impl
+    from sparseops.nsa import triton_fit
 
     arch = args.arch
     if arch is None:
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     shape = dict(G=args.group, N2=args.kv_heads, Dqk=args.dqk, Dv=args.dv, bs=args.block_size, K=args.block_count)
     try:
-        rows = triton_impl.compile_report(arch, **shape, dtype=dtype, causal=not args.no_causal)
+        rows = triton_fit.compile_report(arch, **shape, dtype=dtype, causal=not args.no_causal)
     except (ValueError, TypeError) as e:
         print(f"sparseops fit: {e}", file=sys.stderr)
         return 2

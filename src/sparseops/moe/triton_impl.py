@@ -2,7 +2,8 @@
 
 Arguments arrive validated and normalised (window ``[s, e)``, top-k ``K``, full ``[N]`` slot -> row map that
 is a permutation of ``[0, N)``). One program per token (times an H chunk where nothing reduces over H); see
-``triton_kernels.py`` and docs/moe.md (GPU section).
+``triton_kernels.py`` and docs/moe.md (GPU section). Every kernel is launched through ``_triton.launch`` with its
+arguments by name.
 
 Outputs are allocated with ``torch.empty`` and need no zero-fill: because ``sorted_indices`` is a
 permutation, each row ``r`` of a ``[R, H]`` output is ``v - s`` for exactly one slot with ``v = r + s``, and
@@ -13,15 +14,30 @@ program(s) for every ``h`` and ``k`` (zeros where no slot is live). Empty window
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
 from .. import _triton
+from .._settings import Settings
 from .triton_kernels import moe_permute_kernel, moe_unpermute_grad_kernel, moe_unpermute_kernel
 
-#: benchmark-only overrides of the launch configuration: ``{op: (BLOCK_K, BLOCK_J, BLOCK_H, num_warps)}``
-_override: dict[str, tuple[int, int, int, int]] = {}
+
+@dataclasses.dataclass(frozen=True)
+class MoeTritonSettings:
+    """Tuning knobs of the MoE Triton backend (``SETTINGS.get()`` reads them, ``SETTINGS.override`` swaps them):
+    per op, a launch configuration ``(BLOCK_K, BLOCK_J, BLOCK_H, num_warps)`` that replaces the one ``_tile``
+    chooses (None: ``_tile``'s), for tuning sweeps (``benchmarks/gpu_moe.py --tune``) and tests."""
+
+    permute_tile: tuple[int, int, int, int] | None = None
+    unpermute_tile: tuple[int, int, int, int] | None = None
+    unpermute_grad_tile: tuple[int, int, int, int] | None = None
+    permute_grad_tile: tuple[int, int, int, int] | None = None
+
+
+SETTINGS = Settings(MoeTritonSettings())
 
 
 def _acc(*ts) -> tl.dtype:
@@ -30,16 +46,16 @@ def _acc(*ts) -> tl.dtype:
 
 def _tile(name: str, H: int, K: int, N: int, R: int, elem: int, slot_tile: bool) -> tuple[int, int, int, int]:
     """``(BLOCK_K, BLOCK_J, BLOCK_H, num_warps)``: ``BLOCK_K`` slots are ranked at once, ``BLOCK_J`` live ones move
-    together.
+    together (``SETTINGS``' ``<name>_tile`` where set).
 
-    Chosen from an H200 sweep at T=16384, H=7168, K=8, bf16 (``benchmarks/gpu_moe.py --tune``; docs/moe.md (GPU section)):
-    slot-tile kernels (``unpermute_grad``, ``permute``) hold a ``[BLOCK_J, BLOCK_H]`` tile of at most 32 KiB with
+    Slot-tile kernels (``unpermute_grad``, ``permute``) hold a ``[BLOCK_J, BLOCK_H]`` tile of at most 32 KiB with
     ``BLOCK_J`` the expected live slots per token ``K * R / N`` capped at 4 (``[4, 4096]`` on a full window,
     ``[2, 4096]`` on a quarter one); row kernels (``unpermute``, ``permute_grad``) move rows of at most 8 KiB, one
-    live row at a time for ``unpermute`` (best on both windows; 8 unrolled rows took twice as long) and two for
-    ``permute_grad`` (15% faster than one on both windows)."""
-    if name in _override:
-        return _override[name]
+    live row at a time for ``unpermute`` and two for ``permute_grad``: the best of a sweep on an H200 at a model's
+    size (``benchmarks/gpu_moe.py --tune``; docs/moe.md, GPU section)."""
+    forced = getattr(SETTINGS.get(), f"{name}_tile")
+    if forced is not None:
+        return forced
     block_k = min(triton.next_power_of_2(K), 32)
     if slot_tile:
         live = max(1, round(K * R / max(1, N)))
@@ -52,10 +68,6 @@ def _tile(name: str, H: int, K: int, N: int, R: int, elem: int, slot_tile: bool)
         tile_bytes = 2 * block_h * elem
     num_warps = max(1, min(4, tile_bytes // 4096))
     return block_k, block_j, block_h, num_warps
-
-
-def _launch(kernel, grid, device: torch.device, args, num_warps: int, **meta) -> None:
-    _triton.launch(kernel, grid, device, args, num_warps=num_warps, **meta)
 
 
 def permute(tokens, sorted_indices, probs, K, s, e):
@@ -71,10 +83,11 @@ def permute(tokens, sorted_indices, probs, K, s, e):
     probs_c = si if probs is None else probs.contiguous()
     Hc = max(H, 1)
     block_k, block_j, block_h, num_warps = _tile("permute", Hc, K, T * K, R, tokens.element_size(), True)
-    _launch(
+    _triton.launch(
         moe_permute_kernel, (T, triton.cdiv(Hc, block_h)), tokens.device,
-        (tokens, si, probs_c, out, out if pprobs is None else pprobs, s, e, H, K),
-        num_warps, HAS_PROBS=probs is not None, BLOCK_K=block_k, BLOCK_J=block_j, BLOCK_H=block_h,
+        dict(p_tok=tokens, p_si=si, p_probs=probs_c, p_out=out, p_pprobs=out if pprobs is None else pprobs, s=s, e=e),
+        num_warps=num_warps, H=H, K=K, HAS_PROBS=probs is not None, BLOCK_K=block_k, BLOCK_J=block_j,
+        BLOCK_H=block_h,
     )
     return out, pprobs
 
@@ -90,10 +103,10 @@ def unpermute(permuted_tokens, sorted_indices, probs, K, s, e):
     si = sorted_indices.contiguous()
     probs_c = si if probs is None else probs.contiguous()
     block_k, block_j, block_h, num_warps = _tile("unpermute", H, K, T * K, R, x.element_size(), False)
-    _launch(
+    _triton.launch(
         moe_unpermute_kernel, (T, triton.cdiv(H, block_h)), x.device,
-        (x, si, probs_c, out, si, si, s, e, H, K),
-        num_warps, HAS_PROBS=probs is not None, GATHER_PG=False, ACC=_acc(x, probs),
+        dict(p_x=x, p_si=si, p_probs=probs_c, p_out=out, p_ppg=si, p_pg=si, s=s, e=e),
+        num_warps=num_warps, H=H, K=K, HAS_PROBS=probs is not None, GATHER_PG=False, ACC=_acc(x, probs),
         BLOCK_K=block_k, BLOCK_J=block_j, BLOCK_H=block_h,
     )
     return out
@@ -118,10 +131,10 @@ def unpermute_grad(grad, sorted_indices, permuted_tokens, probs, K, s, e):
     x = g if permuted_tokens is None else permuted_tokens.contiguous()
     probs_c = si if probs is None else probs.contiguous()
     block_k, block_j, block_h, num_warps = _tile("unpermute_grad", H, K, T * K, R, g.element_size(), True)
-    _launch(
+    _triton.launch(
         moe_unpermute_grad_kernel, (T,), g.device,
-        (g, si, x, probs_c, ptg, ptg if pg is None else pg, s, e, H, K),
-        num_warps, HAS_PROBS=probs is not None, ACC=_acc(g, permuted_tokens, probs),
+        dict(p_grad=g, p_si=si, p_x=x, p_probs=probs_c, p_ptg=ptg, p_pg=ptg if pg is None else pg, s=s, e=e),
+        num_warps=num_warps, H=H, K=K, HAS_PROBS=probs is not None, ACC=_acc(g, permuted_tokens, probs),
         BLOCK_K=block_k, BLOCK_J=block_j, BLOCK_H=block_h,
     )
     return ptg, pg
@@ -145,10 +158,11 @@ def permute_grad(permuted_tokens_grad, sorted_indices, permuted_probs_grad, K, s
     si = sorted_indices.contiguous()
     Hc = max(H, 1)
     block_k, block_j, block_h, num_warps = _tile("permute_grad", Hc, K, T * K, R, x.element_size(), False)
-    _launch(
+    _triton.launch(
         moe_unpermute_kernel, (T, triton.cdiv(Hc, block_h)), x.device,
-        (x, si, si, tg, si if ppg is None else ppg.contiguous(), tg if pg is None else pg, s, e, H, K),
-        num_warps, HAS_PROBS=False, GATHER_PG=ppg is not None, ACC=_acc(x),
+        dict(p_x=x, p_si=si, p_probs=si, p_out=tg, p_ppg=si if ppg is None else ppg.contiguous(),
+             p_pg=tg if pg is None else pg, s=s, e=e),
+        num_warps=num_warps, H=H, K=K, HAS_PROBS=False, GATHER_PG=ppg is not None, ACC=_acc(x),
         BLOCK_K=block_k, BLOCK_J=block_j, BLOCK_H=block_h,
     )
     return tg, pg

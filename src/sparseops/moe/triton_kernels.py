@@ -1,4 +1,4 @@
-"""Triton kernels for MoE permute / unpermute with an expert-parallel window (spec/moe.md §3).
+"""Triton kernels for MoE permute / unpermute with an expert-parallel window (docs/moe.md).
 
 Every kernel runs one program per token ``t`` (times a hidden-dim chunk where no reduction over H is needed)
 and owns all ``K`` slots ``i = t*K + k`` of that token, so every output element has exactly one writer (no
@@ -154,7 +154,9 @@ def moe_unpermute_kernel(
             if j0 < n_live:
                 for jj in tl.static_range(BLOCK_J):
                     m_sel = m_live & (b_rank == j0 + jj)
-                    m_j = j0 + jj < n_live
+                    # [BLOCK_H] whether live slot j0 + jj exists, compared on every lane: a mask is a block of
+                    # comparisons, never a scalar condition broadcast (an int32 array to Triton 3.9's interpreter)
+                    m_j = tl.zeros_like(o_hh) + (j0 + jj) < n_live
                     i_row = tl.sum(tl.where(m_sel, b_row, 0), axis=0)
                     # [BLOCK_H]
                     b_x = tl.load(p_x + i_row * H + o_hh, mask=m_h & m_j, other=0).to(ACC)

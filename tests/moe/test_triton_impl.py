@@ -1,6 +1,6 @@
 """Triton MoE kernels against the reference oracle (float64 on upcast inputs), in their own pytest process:
 
-    TRITON_INTERPRET=1 TRITON_F32_DEFAULT=ieee python -m pytest tests/moe/test_moe_triton.py
+    TRITON_INTERPRET=1 TRITON_F32_DEFAULT=ieee python -m pytest tests/moe/test_triton_impl.py
 
 Runs only under the interpreter or with CUDA. Every fresh output the launchers allocate is NaN-poisoned
 (see ``poisoned_outputs``), so an element no program writes fails loudly.
@@ -133,7 +133,7 @@ def test_unpermute_grad_no_probs_is_an_exact_copy(T, K, H, window, dtype, probs_
 
 
 def test_unpermute_grad_doc_vector():
-    # spec/moe.md §3.3
+    # docs/moe.md: the unpermute-grad worked example
     ptg, pg = triton_impl.unpermute_grad(
         torch.ones(1, 2, device=DEVICE), torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE),
         torch.ones(3, 2, device=DEVICE), torch.ones(1, 3, device=DEVICE), 3, 0, 3,
@@ -227,7 +227,7 @@ def test_permute_is_exact(T, K, H, window, dtype, probs_dtype, index_dtype):
 
 
 def test_permute_doc_vector():
-    # spec/moe.md §1 worked example
+    # docs/moe.md: the permute worked example
     tokens = torch.tensor([[0.1] * 4, [0.2] * 4, [0.3] * 4], device=DEVICE)
     probs = torch.tensor([[0.5, 0.3], [0.4, 0.2], [0.5, 0.4]], device=DEVICE)
     si = torch.tensor([0, 2, 4, 1, 3, 5], dtype=torch.int32, device=DEVICE)
@@ -251,7 +251,7 @@ def test_permute_grad(T, K, H, window, dtype, probs_dtype, index_dtype):
 
 
 def test_permute_grad_doc_vector():
-    # spec/moe.md §3.4
+    # docs/moe.md: the permute-grad worked example
     ptg = torch.tensor([[2.0, 2.0], [1.0, 1.0], [3.0, 3.0], [2.0, 2.0]], device=DEVICE)
     ppg = torch.tensor([0.2, 0.5, 0.4, 0.4], device=DEVICE)
     si = torch.tensor([2, 0, 4, 1, 5, 3], dtype=torch.int32, device=DEVICE)
@@ -292,9 +292,13 @@ TINY_TILES = [
 
 @pytest.mark.parametrize("window", [None, (9, 27)], ids=["full", "partial"])
 @pytest.mark.parametrize("cfg", TINY_TILES)
-def test_small_tiles(cfg, window, monkeypatch):
-    for op in ("permute", "unpermute", "unpermute_grad", "permute_grad"):
-        monkeypatch.setitem(triton_impl._override, op, cfg)
+def test_small_tiles(cfg, window):
+    with triton_impl.SETTINGS.override(permute_tile=cfg, unpermute_tile=cfg, unpermute_grad_tile=cfg,
+                                       permute_grad_tile=cfg):
+        _small_tiles(window)
+
+
+def _small_tiles(window):
     T, K, H = 5, 7, 50
     a = _inputs(T, K, H, window, torch.bfloat16, torch.float16, torch.int32, seed=10)
     K, s, e = a["K"], a["s"], a["e"]
@@ -406,7 +410,7 @@ def test_api_grad_ops(T, K, H, rng, dtype, probs_dtype):
 
 
 def triton_impl_window(rng, N):
-    """spec/moe.md §2 for a given two-int range (negative + N, clamp to [0, N]); None is the full window."""
+    """docs/moe.md (the range argument) for a given two-int range (negative + N, clamp to [0, N]); None is the full window."""
     if rng is None:
         return 0, N
     s, e = (v + N if v < 0 else v for v in rng)

@@ -1,4 +1,5 @@
-"""Every Triton kernel compiled for real GPUs, without one (``sparseops._triton.offline_compile``).
+"""Every NSA Triton kernel compiled for real GPUs, without one (``sparseops._triton.offline_compile``), and the
+report of ``sparseops fit`` (``nsa.triton_fit.compile_report``).
 
 The interpreter tests check what the kernels compute; they cannot tell whether a kernel compiles for a GPU, how
 much shared memory a program needs there, or whether it spills. Here the launchers run on CPU tensors with
@@ -24,9 +25,9 @@ if _checks.triton_interpret():
 pytest.importorskip("triton")
 
 from sparseops import _backend, _triton  # noqa: E402
-from sparseops.moe import triton_impl as moe_triton  # noqa: E402
-from sparseops.nsa import api  # noqa: E402
+from sparseops.nsa import api, triton_fit  # noqa: E402
 from sparseops.nsa import triton_impl as nsa_triton  # noqa: E402
+from sparseops.nsa import triton_plan as nsa_plan  # noqa: E402
 
 FWD = ["nsa_fwd_kernel"]
 BWD = ["nsa_bwd_dq_kernel", "nsa_bwd_dkv_kernel"]
@@ -51,11 +52,10 @@ def _nsa_inputs(G, Dqk, Dv, bs, K, dtype, N2=2, seqs=(37, 0, 21)):
     return q, k, v, topk, m, l, cu
 
 
-def _compile_nsa(arch, mode, G, Dqk, Dv, bs, K, dtype, monkeypatch):
+def _compile_nsa(arch, mode, G, Dqk, Dv, bs, K, dtype):
     """The launches of one forward (``fwd``) or backward (``bwd``, ``det``, ``dqa``) compiled for ``sm_<arch>``."""
     q, k, v, topk, m, l, cu = _nsa_inputs(G, Dqk, Dv, bs, K, dtype)
-    monkeypatch.setattr(nsa_triton, "DQ_ATOMIC", mode == "dqa")
-    with _triton.offline_compile(arch) as launches:
+    with nsa_plan.SETTINGS.override(dq_atomic=mode == "dqa"), _triton.offline_compile(arch) as launches:
         if mode == "fwd":
             nsa_triton.forward(q, k, v, topk, 0.1, bs, cu, cu, True)
         else:
@@ -66,11 +66,11 @@ def _compile_nsa(arch, mode, G, Dqk, Dv, bs, K, dtype, monkeypatch):
 
 def _expected(kernels, arch, G, Dqk, Dv, bs, dtype):
     """``kernels`` with the forward / dQ kernel launched twice (wide packs, then the ordinary programs) where wide
-    packs are on for this GPU and shape (``triton_impl._wide_on``)."""
-    q, heads = torch.empty(0, G, Dqk, dtype=dtype), nsa_triton._head_blocks(Dqk, Dv)
+    packs are on for this GPU and shape (``triton_plan._wide_on``)."""
+    q, heads = torch.empty(0, G, Dqk, dtype=dtype), nsa_plan._head_blocks(Dqk, Dv)
     with _triton.offline_compile(arch):
         twice = [k for k, dq in (("nsa_fwd_kernel", False), ("nsa_bwd_dq_kernel", True))
-                 if nsa_triton._wide_on(q, G, bs, heads, dq)]
+                 if nsa_plan._wide_on(q, G, bs, heads, dq)]
     return [n for k in kernels for n in ([k, k] if k in twice else [k])]
 
 
@@ -90,12 +90,12 @@ MODES = {"fwd": FWD, "bwd": BWD, "det": DET, "dqa": DQA}
 
 
 @pytest.mark.parametrize("G, Dqk, Dv, bs, K, dtype", NSA_SHAPES)
-def test_nsa_kernels_compile_and_fit_on_hopper(G, Dqk, Dv, bs, K, dtype, monkeypatch):
+def test_nsa_kernels_compile_and_fit_on_hopper(G, Dqk, Dv, bs, K, dtype):
     """Half precision, the whole documented envelope: every kernel compiles for sm_90 and fits with the stages it
     asks for (no retry needed on the GPU the settings were chosen for)."""
-    dqa_fits = nsa_triton._dq_atomic_fits(bs, nsa_triton._head_blocks(Dqk, Dv))
+    dqa_fits = nsa_plan._dq_atomic_fits(bs, nsa_plan._head_blocks(Dqk, Dv))
     for mode, kernels in MODES.items():
-        launches = _compile_nsa(90, mode, G, Dqk, Dv, bs, K, dtype, monkeypatch)
+        launches = _compile_nsa(90, mode, G, Dqk, Dv, bs, K, dtype)
         expected = _expected(kernels if mode != "dqa" or dqa_fits else BWD, 90, G, Dqk, Dv, bs, dtype)
         assert [x.kernel for x in launches] == expected, mode
         for x in launches:
@@ -103,45 +103,45 @@ def test_nsa_kernels_compile_and_fit_on_hopper(G, Dqk, Dv, bs, K, dtype, monkeyp
             assert x.num_stages is None or x.stages == x.num_stages, x
 
 
-def test_nsa_paper_shape_does_not_spill_on_hopper(monkeypatch):
+def test_nsa_paper_shape_does_not_spill_on_hopper():
     """docs/nsa.md: at the paper's shape no kernel spills registers (checked in the cubin)."""
     for G in (16, 1):
         for mode in MODES:
-            for x in _compile_nsa(90, mode, G, 192, 128, 64, 16, torch.bfloat16, monkeypatch):
+            for x in _compile_nsa(90, mode, G, 192, 128, 64, 16, torch.bfloat16):
                 use = x.resources()
                 assert use["spill_bytes"] == 0, (G, mode, x, use)
                 assert 0 < use["registers"] <= 255, (x, use)
 
 
-def test_nsa_dkv_rows_per_step_by_gpu_and_no_spill_on_mma_sync_gpus(monkeypatch):
+def test_nsa_dkv_rows_per_step_by_gpu_and_no_spill_on_mma_sync_gpus():
     """The dK/dV kernel takes 32 tile rows per step on sm_90 and sm_100 (wgmma, tcgen05), 16 on mma.sync GPUs
-    (sm_8x, sm_120), where 32 spilled ~3.6 KB per thread at the paper's shape on an A100 and ~300 bytes on sm_120;
+    (sm_8x, sm_120), where 32 rows spill at the paper's shape;
     G = 32 there takes half a token's heads per step (two head groups). With 16 rows the A100 compile does not
     spill and sm_120's spills at most 32 bytes (G = 32, 16, 4, 1)."""
     for arch, G, rows, groups in ((90, 4, 32, 1), (100, 4, 32, 1), (80, 4, 16, 1), (86, 4, 16, 1), (120, 4, 16, 1),
                                   (90, 32, 32, 1), (80, 32, 16, 2)):
-        [dkv] = [x for x in _compile_nsa(arch, "bwd", G, 192, 128, 64, 16, torch.bfloat16, monkeypatch)
+        [dkv] = [x for x in _compile_nsa(arch, "bwd", G, 192, 128, 64, 16, torch.bfloat16)
                  if x.kernel == "nsa_bwd_dkv_kernel"]
         assert dkv.meta["BLOCK_E"] * dkv.meta["BLOCK_G"] == rows and dkv.meta["HG"] == groups, (arch, G, dkv.meta)
     for arch in (80, 120):
         for G in (32, 16, 4, 1):
             for mode in ("bwd", "det"):
-                for x in _compile_nsa(arch, mode, G, 192, 128, 64, 16, torch.bfloat16, monkeypatch):
+                for x in _compile_nsa(arch, mode, G, 192, 128, 64, 16, torch.bfloat16):
                     assert x.resources()["spill_bytes"] <= (32 if arch == 120 else 0), (arch, G, mode, x)
 
 
-def test_nsa_paper_shape_on_datacenter_blackwell(monkeypatch):
+def test_nsa_paper_shape_on_datacenter_blackwell():
     """sm_100 (B200): every kernel of the paper's shape compiles (tcgen05 for the dK/dV products), fits with the
     stages it asks for and does not spill."""
     for mode, kernels in MODES.items():
-        launches = _compile_nsa(100, mode, 16, 192, 128, 64, 16, torch.bfloat16, monkeypatch)
+        launches = _compile_nsa(100, mode, 16, 192, 128, 64, 16, torch.bfloat16)
         assert [x.kernel for x in launches] == _expected(kernels, 100, 16, 192, 128, 64, BF), mode
         for x in launches:
             assert x.shared <= _triton.SHARED_LIMIT[100] and x.stages == (x.num_stages or x.stages), x
             assert x.resources()["spill_bytes"] == 0, x
 
 
-def test_nsa_wide_packs_multiply_with_warpgroup_mma(monkeypatch):
+def test_nsa_wide_packs_multiply_with_warpgroup_mma():
     """At the paper's shape the wide forward / dQ programs (64 tile rows) compile to wgmma on sm_90 and tcgen05 on
     sm_100, where the ordinary ones (16 rows) are mma.sync. On GPUs with only mma.sync (sm_80, sm_86, sm_120) the
     wide forward compiles without spills (8 bytes on sm_120) and the dQ has no wide launch; fp32 inputs and blocks past
@@ -149,7 +149,7 @@ def test_nsa_wide_packs_multiply_with_warpgroup_mma(monkeypatch):
     for arch, mma in ((90, "wgmma.mma_async"), (100, "tcgen05.mma")):
         for G in (16, 1):
             for mode in ("fwd", "bwd"):
-                q_launches = [x for x in _compile_nsa(arch, mode, G, 192, 128, 64, 16, BF, monkeypatch)
+                q_launches = [x for x in _compile_nsa(arch, mode, G, 192, 128, 64, 16, BF)
                               if x.kernel in ("nsa_fwd_kernel", "nsa_bwd_dq_kernel")]
                 wide, ordinary = q_launches
                 assert wide.meta["PACK"] * wide.meta["BLOCK_G"] == 64 and wide.meta["GATE"], (arch, G, mode)
@@ -158,51 +158,51 @@ def test_nsa_wide_packs_multiply_with_warpgroup_mma(monkeypatch):
                 assert "mma.sync" in ordinary.compiled.asm["ptx"], (arch, G, mode)
     for arch in (80, 86, 120):
         for G in (16, 1):
-            wide, ordinary = _compile_nsa(arch, "fwd", G, 192, 128, 64, 16, BF, monkeypatch)
+            wide, ordinary = _compile_nsa(arch, "fwd", G, 192, 128, 64, 16, BF)
             assert wide.meta["PACK"] * wide.meta["BLOCK_G"] == 64 and ordinary.meta["GATE"], (arch, G)
             # sm_120 (64K registers per SM, like sm_86, but a different scheduler): 8 bytes at G = 16
             assert wide.resources()["spill_bytes"] <= (8 if arch == 120 else 0), (arch, G, wide.resources())
-            dq = [x for x in _compile_nsa(arch, "bwd", G, 192, 128, 64, 16, BF, monkeypatch)
+            dq = [x for x in _compile_nsa(arch, "bwd", G, 192, 128, 64, 16, BF)
                   if x.kernel == "nsa_bwd_dq_kernel"]
             assert [x.meta["GATE"] for x in dq] == [False], (arch, G)
     for arch, G, Dqk, Dv, bs, dtype in ((90, 16, 192, 128, 64, torch.float32), (90, 16, 256, 128, 128, BF)):
-        q_launches = [x for x in _compile_nsa(arch, "fwd", G, Dqk, Dv, bs, 16, dtype, monkeypatch)]
+        q_launches = [x for x in _compile_nsa(arch, "fwd", G, Dqk, Dv, bs, 16, dtype)]
         assert [x.meta["GATE"] for x in q_launches] == [False], (arch, G, Dqk, Dv, bs, dtype)
 
 
-def test_nsa_fp32_inputs_compile_at_the_paper_shape(monkeypatch):
+def test_nsa_fp32_inputs_compile_at_the_paper_shape():
     """fp32 inputs (exact ``ieee`` dots: no tensor cores, a checking dtype on the GPU) fit at the paper's shape."""
     for mode, kernels in MODES.items():
-        launches = _compile_nsa(90, mode, 16, 192, 128, 64, 16, torch.float32, monkeypatch)
+        launches = _compile_nsa(90, mode, 16, 192, 128, 64, 16, torch.float32)
         assert [x.kernel for x in launches] == kernels, mode
         assert all(x.shared <= _triton.SHARED_LIMIT[90] for x in launches)
 
 
-def test_nsa_fp32_limits_fit_hopper_with_forward_key_steps(monkeypatch):
+def test_nsa_fp32_limits_fit_hopper_with_forward_key_steps():
     """The kernel tests' limits case in fp32 (G = 32, Dqk = Dv = 256, bs = 128, K = 128), which their compiled run
-    on an H100 / H200 takes: the forward's whole 128-key block needs 288 KiB even unpipelined, so the launcher
+    on an H100 / H200 takes: the forward's whole 128-key block does not fit even unpipelined, so the launcher
     takes it in steps of 64 keys; every kernel of the forward and the backward variants then fits."""
-    [fwd] = _compile_nsa(90, "fwd", 32, 256, 256, 128, 128, torch.float32, monkeypatch)
+    [fwd] = _compile_nsa(90, "fwd", 32, 256, 256, 128, 128, torch.float32)
     assert fwd.meta["BLOCK_KC"] == 64 and fwd.shared <= _triton.SHARED_LIMIT[90], fwd
     for mode in ("bwd", "det"):
-        launches = _compile_nsa(90, mode, 32, 256, 256, 128, 128, torch.float32, monkeypatch)
+        launches = _compile_nsa(90, mode, 32, 256, 256, 128, 128, torch.float32)
         assert [x.kernel for x in launches] == MODES[mode], mode
         assert all(x.shared <= _triton.SHARED_LIMIT[90] for x in launches), mode
 
 
-def test_nsa_smaller_gpu_takes_dq_blocks_in_parts_and_names_a_real_shortfall(monkeypatch):
+def test_nsa_smaller_gpu_takes_dq_blocks_in_parts_and_names_a_real_shortfall():
     """Consumer Ampere (99 KiB per program) cannot hold the dQ kernel's whole 128-key block at G = 32, Dqk = Dv =
     256 (a token's 32 heads against K/V rows of 128 keys), even unpipelined: the launcher retries it in steps of 64
     keys, and the whole bf16 backward fits; Hopper keeps the whole block. In fp32 the dK/dV kernel does not fit
     there, and the error is the launcher's, with the compiled kernel's real need, the limit and the way out."""
     for mode in ("bwd", "det"):
-        [dq] = [x for x in _compile_nsa(86, mode, 32, 256, 256, 128, 16, BF, monkeypatch)
+        [dq] = [x for x in _compile_nsa(86, mode, 32, 256, 256, 128, 16, BF)
                 if x.kernel == "nsa_bwd_dq_kernel"]
         assert dq.meta["BLOCK_KC"] == 64 and dq.shared <= _triton.SHARED_LIMIT[86], mode
-    [dq] = [x for x in _compile_nsa(90, "bwd", 32, 256, 256, 128, 16, BF, monkeypatch) if x.kernel == "nsa_bwd_dq_kernel"]
+    [dq] = [x for x in _compile_nsa(90, "bwd", 32, 256, 256, 128, 16, BF) if x.kernel == "nsa_bwd_dq_kernel"]
     assert dq.meta["BLOCK_KC"] == 128
     with pytest.raises(_triton.DoesNotFit) as e:
-        _compile_nsa(86, "bwd", 32, 256, 256, 128, 16, torch.float32, monkeypatch)
+        _compile_nsa(86, "bwd", 32, 256, 256, 128, 16, torch.float32)
     msg = str(e.value)
     for part in ("nsa_bwd_dkv_kernel", "G=32, selected_block_count=16, selected_block_size=128, Dqk=256, Dv=256",
                  "bytes of shared memory", "sm_86", f"has {_triton.SHARED_LIMIT[86]} bytes", "backend='torch'"):
@@ -211,23 +211,22 @@ def test_nsa_smaller_gpu_takes_dq_blocks_in_parts_and_names_a_real_shortfall(mon
     assert need > _triton.SHARED_LIMIT[86]
 
 
-def test_nsa_wide_key_blocks_fit_an_a100(monkeypatch):
+def test_nsa_wide_key_blocks_fit_an_a100():
     """bs = 128 with Dqk = Dv = 256: the dK/dV kernel splits each key block over two programs of 64 key rows, so
-    it fits an A100's 163 KiB (a whole block needed 176 KiB even unpipelined) and spills at most a few bytes on
-    sm_90 (a whole block, at 16 warps, spilled ~700)."""
+    it fits an A100's 163 KiB (a whole block does not, even unpipelined) and spills at most 32 bytes on sm_90."""
     for mode in ("bwd", "det"):
-        launches = _compile_nsa(80, mode, 32, 256, 256, 128, 16, torch.bfloat16, monkeypatch)
+        launches = _compile_nsa(80, mode, 32, 256, 256, 128, 16, torch.bfloat16)
         [dkv] = [x for x in launches if x.kernel == "nsa_bwd_dkv_kernel"]
         assert dkv.grid[1] == 2 and dkv.shared <= _triton.SHARED_LIMIT[80] and dkv.stages == dkv.num_stages
-    [dkv] = [x for x in _compile_nsa(90, "bwd", 16, 256, 256, 128, 16, torch.bfloat16, monkeypatch)
+    [dkv] = [x for x in _compile_nsa(90, "bwd", 16, 256, 256, 128, 16, torch.bfloat16)
              if x.kernel == "nsa_bwd_dkv_kernel"]
     assert dkv.resources()["spill_bytes"] <= 32
 
 
-def test_nsa_fewer_stages_where_two_do_not_fit(monkeypatch):
-    """On consumer Ampere the forward at Dqk = Dv = 256, bs = 128 needs 140 KiB with two stages: the launcher
+def test_nsa_fewer_stages_where_two_do_not_fit():
+    """On consumer Ampere the forward at Dqk = Dv = 256, bs = 128 does not fit with two stages: the launcher
     retries it with one, which fits."""
-    [x] = _compile_nsa(86, "fwd", 16, 256, 256, 128, 16, torch.bfloat16, monkeypatch)
+    [x] = _compile_nsa(86, "fwd", 16, 256, 256, 128, 16, torch.bfloat16)
     assert (x.kernel, x.num_stages, x.stages) == ("nsa_fwd_kernel", 2, 1) and x.shared <= _triton.SHARED_LIMIT[86]
 
 
@@ -261,10 +260,9 @@ def test_auto_runs_torch_where_a_kernel_does_not_fit(monkeypatch, dtype, G, Dqk,
     # the launchers would then pick the interpreter's settings)
     monkeypatch.setattr(_checks, "resolve_backend", lambda b, d: "triton" if b in ("auto", "triton") else real(b, d))
     monkeypatch.setattr(_checks, "triton_available", lambda: True)
-    monkeypatch.setattr(nsa_triton, "DQ_ATOMIC", dq_atomic)
     monkeypatch.setattr(_backend, "_DOES_NOT_FIT", set())
     monkeypatch.setattr(_triton, "_NO_FIT", {})
-    with _triton.offline_compile(86) as launches:
+    with nsa_plan.SETTINGS.override(dq_atomic=dq_atomic), _triton.offline_compile(86) as launches:
         with pytest.warns(RuntimeWarning, match="nsa_bwd_d.*backend='auto' runs this shape on the torch path"):
             got = api.nsa_selected_attention_grad(*args, **kw, backend="auto")
         assert [x.kernel for x in launches] == launched
@@ -295,39 +293,25 @@ def test_auto_keeps_triton_where_the_kernel_fits(monkeypatch):
     assert [x.kernel for x in launches] == _expected(DET, 90, 16, 192, 128, 64, torch.bfloat16)
 
 
-@pytest.mark.parametrize("arch", [90, 100, 80, 120])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64],
-                         ids=["bf16", "fp16", "fp32", "fp64"])
-def test_moe_kernels_compile_and_fit(arch, dtype):
-    """The four MoE kernels at a model's hidden size (7168, the tiles' cap) and a small odd one, with and without
-    probs, compile for Hopper, datacenter Blackwell, Ampere and consumer Blackwell and fit."""
-    g = torch.Generator().manual_seed(0)
-    T, K = 6, 4
-    with _triton.offline_compile(arch) as launches:
-        for H in (7168, 33):
-            tokens = torch.randn(T, H, generator=g).to(dtype)
-            si = torch.randperm(T * K, generator=g)
-            for probs in (torch.rand(T, K, generator=g).to(dtype), None):
-                s, e = 3, 20
-                moe_triton.permute(tokens, si, probs, K, s, e)
-                perm = torch.randn(e - s, H, generator=g).to(dtype)
-                moe_triton.unpermute(perm, si, probs, K, s, e)
-                moe_triton.unpermute_grad(tokens, si, perm, probs, K, s, e)
-                moe_triton.permute_grad(perm, si, None if probs is None else probs.flatten()[: e - s], K, s, e)
-    names = [x.kernel for x in launches]
-    assert names == ["moe_permute_kernel", "moe_unpermute_kernel", "moe_unpermute_grad_kernel",
-                     "moe_unpermute_kernel"] * 4
-    assert all(x.shared <= _triton.SHARED_LIMIT[arch] for x in launches)
+def test_compile_report_rows_for_every_variant():
+    """``sparseops fit``'s report at the paper's shape on sm_90: the forward, the three backward variants, one row
+    per launch with its tile and resources, no spills."""
+    rows = triton_fit.compile_report(90, G=16, N2=1, Dqk=192, Dv=128, bs=64, K=16)
+    assert [r["variant"] for r in rows if r["kernel"] == "nsa_fwd_kernel"] == ["forward", "forward"]  # wide, ordinary
+    assert {r["variant"] for r in rows} == {"forward", "backward", "deterministic", "DQ_ATOMIC"}
+    assert [r["kernel"] for r in rows if r["variant"] == "DQ_ATOMIC"] == DQA
+    for r in rows:
+        assert set(r) == {"variant", "kernel", "rows", "keys", "warps", "stages", "shared", "registers",
+                          "spill_bytes"}, r
+        assert r["shared"] <= _triton.SHARED_LIMIT[90] and r["spill_bytes"] == 0, r
+    assert nsa_plan.SETTINGS.get().dq_atomic is False  # the variant's override is undone
 
 
-def test_offline_compile_rejects_unknown_arch_and_nesting():
-    with pytest.raises(ValueError, match="arch: expected one of"):
-        with _triton.offline_compile(75):
-            pass
-    with _triton.offline_compile(90):
-        with pytest.raises(RuntimeError, match="does not nest"):
-            with _triton.offline_compile(80):
-                pass
-    from triton.runtime import driver
-
-    assert not isinstance(driver._active, _triton._OfflineDriver)  # restored on the way out
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(G=0), ValueError, "G"),
+    (dict(bs=0), ValueError, "selected_block_size"),
+    (dict(dtype=torch.float64), TypeError, "float64"),
+], ids=["G0", "bs0", "float64"])
+def test_compile_report_checks_the_shape_first(kw, err, match):
+    with pytest.raises(err, match=match):
+        triton_fit.compile_report(90, **{"G": 16, "Dqk": 192, "Dv": 128, "bs": 64, "K": 16, **kw})
