@@ -324,7 +324,7 @@ def main(argv=None) -> int:
     if args.smoke:
         lengths, runs = [256, 512], 1
     elif args.quick:
-        lengths, runs = [4096, 8192], 1
+        lengths, runs = [2048, 4096], 1
     else:
         lengths, runs = [4096, 8192, 16384, 32768], 3
     lengths = args.lengths or lengths

@@ -105,7 +105,7 @@ def resolve(family: str, backend, device: torch.device, dtype: torch.dtype | Non
 def _knobs(mod) -> tuple:
     """The Triton module's tuning knobs in force: they change which kernels run, so they are part of a key."""
     settings = getattr(mod, "SETTINGS", None)
-    return (getattr(mod, "DQ_ATOMIC", None), settings.get() if settings is not None else None)
+    return settings.get() if settings is not None else None
 
 
 def call(family: str, name: str, fn: str, *, fallback_key: tuple | None = None, **kwargs):

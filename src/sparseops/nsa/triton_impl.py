@@ -50,13 +50,6 @@ _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
 _PACK_ARGS = ("pk_t0", "pk_n", "pk_ids", "pk_nu")
 
 
-def __getattr__(name: str):
-    # nsa/api.py keys its fit cache on the dQ variant; it moves to ``SETTINGS.get()`` with the dispatcher
-    if name == "DQ_ATOMIC":
-        return SETTINGS.get().dq_atomic
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def _check_dtype(q):
     if q.dtype not in _SUPPORTED:
         raise TypeError(
