@@ -263,16 +263,6 @@ def environment() -> dict:
             "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
 
 
-def fmt_bytes(n) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def table(rows: list[dict], peer_rows: list[dict]) -> str:
     lines = ["| T | core fwd+bwd s | SDPA fwd+bwd s | speedup | goal | core peak RSS | per token | SDPA peak RSS |",
              "|---|---|---|---|---|---|---|---|"]
@@ -281,8 +271,8 @@ def table(rows: list[dict], peer_rows: list[dict]) -> str:
         mark = "-" if goal is None else f">= {goal}x: {'met' if r['speedup'] >= goal else 'missed'}"
         pk = r.get("ours_peak_bytes")
         lines.append(f"| {r['T']} | {r['ours_fwdbwd_s']:.2f} | {r['sdpa_fwdbwd_s']:.2f} | {r['speedup']:.2f}x | "
-                     f"{mark} | {fmt_bytes(pk)} | {fmt_bytes(pk / r['T'] if pk else None)} | "
-                     f"{fmt_bytes(r.get('sdpa_peak_bytes'))} |")
+                     f"{mark} | {_common.fmt_bytes(pk)} | {_common.fmt_bytes(pk / r['T'] if pk else None)} | "
+                     f"{_common.fmt_bytes(r.get('sdpa_peak_bytes'))} |")
     co = crossover(rows) if rows else None
     lines.append("")
     lines.append(f"crossover (core as fast as SDPA): T ~ {co:.0f}" if co else
@@ -333,8 +323,8 @@ def main(argv=None) -> int:
     for T in [] if args.peer_only else lengths:
         r = bench_core(T, runs if T < 16384 else 1, args.stages, args.warmup, args.side)
         print(f"  T = {T}: core {r['ours_fwdbwd_s']:.2f} s, SDPA {r['sdpa_fwdbwd_s']:.2f} s, "
-              f"speedup {r['speedup']:.2f}x, peak RSS core {fmt_bytes(r['ours_peak_bytes'])}, "
-              f"SDPA {fmt_bytes(r['sdpa_peak_bytes'])}; stages {r.get('stages_s')}", flush=True)
+              f"speedup {r['speedup']:.2f}x, peak RSS core {_common.fmt_bytes(r['ours_peak_bytes'])}, "
+              f"SDPA {_common.fmt_bytes(r['sdpa_peak_bytes'])}; stages {r.get('stages_s')}", flush=True)
         rows.append(r)
     peer_rows = []
     if not args.no_peers and not args.smoke:

@@ -9,22 +9,26 @@ from __future__ import annotations
 import torch
 
 
+def int_list(name: str, cu) -> list[int]:
+    """A 1-D integer tensor or a list/tuple of ints -> Python ints (``TypeError`` naming ``name`` otherwise)."""
+    if isinstance(cu, torch.Tensor):
+        if cu.dim() != 1 or cu.dtype.is_floating_point or cu.dtype == torch.bool or cu.is_complex():
+            raise TypeError(f"{name}: expected a 1-D integer tensor or a list of ints, got a {cu.dim()}-D "
+                            f"{str(cu.dtype).replace('torch.', '')} tensor")
+        return [int(x) for x in cu.tolist()]
+    if isinstance(cu, (list, tuple)):
+        for x in cu:
+            if isinstance(x, bool) or not isinstance(x, int):
+                raise TypeError(f"{name}: expected a list of ints, got an element {x!r} of type {type(x).__name__}")
+        return [int(x) for x in cu]
+    raise TypeError(f"{name}: expected a list of ints, an integer tensor or None, got {type(cu).__name__}")
+
+
 def normalize_cu_seqlens(name: str, cu, total: int) -> list[int]:
     """CANN cumulative lengths (or None = one sequence) -> ``[0, c1, ..., total]`` as Python ints."""
     if cu is None:
         return [0, int(total)]
-    if isinstance(cu, torch.Tensor):
-        if cu.dim() != 1 or cu.dtype.is_floating_point or cu.dtype == torch.bool:
-            raise TypeError(f"{name}: expected a 1-D integer tensor or a list of ints, got {cu.dtype} tensor of {cu.dim()}-D")
-        vals = [int(x) for x in cu.tolist()]
-    elif isinstance(cu, (list, tuple)):
-        vals = []
-        for x in cu:
-            if isinstance(x, bool) or not isinstance(x, int):
-                raise TypeError(f"{name}: expected a list of ints, got an element {x!r} of type {type(x).__name__}")
-            vals.append(int(x))
-    else:
-        raise TypeError(f"{name}: expected a list of ints, an integer tensor or None, got {type(cu).__name__}")
+    vals = int_list(name, cu)
     if len(vals) == 0:
         raise ValueError(f"{name}: expected at least one cumulative length, got an empty list")
     prev = 0

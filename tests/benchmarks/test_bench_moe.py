@@ -3,7 +3,6 @@ the Megatron input mapping, the goals column. No timing assertions (speed is mea
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -14,21 +13,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import moe  # noqa: E402
-
-
-def _check_record(record: dict, out: Path, name: str) -> None:
-    assert record["mode"] == "smoke"
-    assert record["rows"], "no rows measured"
-    assert record["gate"] and all(c["err"] <= c["tol"] for c in record["gate"])
-    saved = json.loads((out / f"{name}.json").read_text())
-    assert isinstance(saved, list) and saved[-1]["rows"] == json.loads(json.dumps(record["rows"]))
-    assert saved[-1]["env"]["torch"] == torch.__version__
-    assert (out / f"{name}.png").stat().st_size > 0
+from tests.benchmarks.records import check_record  # noqa: E402
 
 
 def test_moe_smoke(tmp_path):
     record = moe.run(smoke=True, out=tmp_path)
-    _check_record(record, tmp_path, "moe")
+    check_record(record, tmp_path, "moe")
     for r in record["rows"]:
         assert r["ours_s"] > 0 and r["floor_s"] > 0 and r["ours_fwdbwd_s"] > 0
         assert r["err_ours_ptg"] <= 1e-2 and r["err_ours_probs_grad"] <= 1e-2

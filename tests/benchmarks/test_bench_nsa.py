@@ -14,22 +14,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import nsa  # noqa: E402
-
-
-def _check_record(record: dict, out: Path, name: str) -> None:
-    assert record["mode"] == "smoke"
-    assert record["rows"], "no rows measured"
-    assert record["gate"] and all(c["err"] <= c["tol"] for c in record["gate"])
-    saved = json.loads((out / f"{name}.json").read_text())
-    assert isinstance(saved, list) and saved[-1]["rows"] == json.loads(json.dumps(record["rows"]))
-    assert saved[-1]["env"]["torch"] == torch.__version__
-    assert (out / f"{name}.png").stat().st_size > 0
+from tests.benchmarks.records import check_record  # noqa: E402
 
 
 def test_nsa_smoke_cli(tmp_path, capsys):
     assert nsa.main(["--smoke", "--out", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "nsa.json").read_text())[-1]
-    _check_record(record, tmp_path, "nsa")
+    check_record(record, tmp_path, "nsa")
     assert "ours fwd+bwd ms" in capsys.readouterr().out
     for r in record["rows"]:
         assert r["ours_fwdbwd_s"] > 0 and r["visible_pairs"] > 0

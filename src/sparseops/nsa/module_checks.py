@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _checks
+from .. import _checks, _varlen
 
 #: input dtypes of the pieces: fp16/bf16/fp32 for models, float64 for the oracles and gradcheck
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -28,19 +28,7 @@ def cu_seqlens_list(name: str, cu, total: int) -> list[int]:
     -> a list of Python ints ``[0, c1, ..., total]``."""
     if cu is None:
         return [0, int(total)]
-    if isinstance(cu, torch.Tensor):
-        if cu.dim() != 1 or cu.dtype.is_floating_point or cu.dtype == torch.bool or cu.is_complex():
-            raise TypeError(f"{name}: expected a 1-D integer tensor or a list of ints, got a {cu.dim()}-D "
-                            f"{dtype_name(cu.dtype)} tensor")
-        vals = [int(x) for x in cu.tolist()]
-    elif isinstance(cu, (list, tuple)):
-        vals = []
-        for x in cu:
-            if isinstance(x, bool) or not isinstance(x, int):
-                raise TypeError(f"{name}: expected a list of ints, got an element {x!r} of type {type(x).__name__}")
-            vals.append(int(x))
-    else:
-        raise TypeError(f"{name}: expected an integer tensor, a list of ints or None, got {type(cu).__name__}")
+    vals = _varlen.int_list(name, cu)
     if len(vals) < 2:
         raise ValueError(f"{name}: expected at least 2 entries [0, ..., T], got {vals}")
     if vals[0] != 0:
