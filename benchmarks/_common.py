@@ -59,9 +59,7 @@ else:
 from sparseops.cli._progress import Status  # noqa: E402
 from sparseops.cli.info import cpu_model  # noqa: E402
 
-# ----------------------------------------------------------------------------------------------------------------
 # command line
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def make_parser(description: str) -> argparse.ArgumentParser:
@@ -139,9 +137,7 @@ def profile_table(fn: Callable[[], object], *, row_limit: int = 15) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # environment
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def _version(dist: str) -> str | None:
@@ -216,9 +212,7 @@ def save_run(name: str, op: str, *, quick: bool, smoke: bool, env: dict, out: Pa
     return record
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # peers
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def load_peer(module: str, attr: str) -> tuple[Callable | None, str | None]:
@@ -249,9 +243,7 @@ def format_exc_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}{where}"
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # progress, results, charts
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def steps(name: str, total: int) -> Status:

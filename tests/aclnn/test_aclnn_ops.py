@@ -21,9 +21,7 @@ from sparseops.aclnn import (
 )
 from sparseops.testing import make_moe_inputs, make_nsa_inputs, poison_
 
-# ----------------------------------------------------------------------------------------------------------------
 # helpers
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -52,9 +50,7 @@ def empty_like_poisoned(shape, dtype) -> torch.Tensor:
     return poison_(torch.empty(shape, dtype=dtype))
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # MoE inputs: T=5 tokens, K=2, H=3 (N=10 slots); window [2, 8) = R=6 rows (a middle EP rank)
-# ----------------------------------------------------------------------------------------------------------------
 
 T, K, H = 5, 2, 3
 N = T * K
@@ -82,9 +78,7 @@ def unpermute_grad_args(d, *, probs=True, out=None, pg_out=None, rng=RANGE, topk
     return [d["grad"], d["sorted_indices"], d["ptokens_full"], p, False, None, rng, topk, out, pg_out]
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # success paths equal the Python ops, bit for bit
-# ----------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -177,9 +171,7 @@ def test_permute_grad_matches_python_and_doc_vector():
     assert torch.equal(pg, torch.tensor([[0.5, 0], [0.4, 0.2], [0, 0.4]]))
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # NSA: two sequences (20 and 13 tokens: a partial last block), N1=4, N2=2 (G=2), bs=16, K=2
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def nsa(dtype=torch.float32, causal=True):
@@ -277,9 +269,7 @@ def test_determinism_switch():
         sparseops.set_deterministic(before)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # every status code from a real bad call; the message names the parameter; nothing is written
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def _moe_bad(edit):
@@ -393,9 +383,7 @@ def test_runtime_failure_is_a_status(monkeypatch):
     assert same_bits(args[8], before)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # executor and workspace semantics
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def test_executor_runs_once_and_rejects_foreign_objects():

@@ -93,9 +93,7 @@ def _up(t):
     return None if t is None else t.to(F64)
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # the seed op: unpermute_grad
-# ---------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype, probs_dtype, index_dtype", DTYPES)
@@ -170,9 +168,7 @@ def test_unpermute_grad_k512():
     testing.assert_close(pg, pg_r, dtype=torch.float32)
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # unpermute (forward)
-# ---------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype, probs_dtype, index_dtype", DTYPES)
@@ -208,9 +204,7 @@ def test_unpermute_zero_prob_and_dead_slots_do_not_leak():
     testing.assert_close(out, ref.unpermute(x.to(F64), si, probs.to(F64), 4, 3, 20), dtype=torch.float32)
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # permute and its backward
-# ---------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype, probs_dtype, index_dtype", DTYPES)
@@ -260,9 +254,7 @@ def test_permute_grad_doc_vector():
     assert torch.equal(pg.cpu(), torch.tensor([[0.5, 0.0], [0.4, 0.2], [0.0, 0.4]]))
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # determinism
-# ---------------------------------------------------------------------------------------------------------------
 
 
 def test_deterministic():
@@ -278,9 +270,7 @@ def test_deterministic():
     assert torch.equal(t1, t2) and torch.equal(q1, q2)
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # launch configurations: tiny tiles force every loop to run more than once
-# ---------------------------------------------------------------------------------------------------------------
 
 # (BLOCK_K, BLOCK_J, BLOCK_H, num_warps): several slot chunks, several live-slot groups per chunk, several H chunks
 TINY_TILES = [
@@ -321,9 +311,7 @@ def _small_tiles(window):
     assert torch.equal(pg.cpu(), pg_r)
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # through the public ops with backend="triton", autograd included
-# ---------------------------------------------------------------------------------------------------------------
 
 
 def _api():

@@ -87,9 +87,7 @@ def validate(names: dict[str, str], fn, *args, **kwargs):
         raise Fail(*python_error(exc, names)) from None
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # The plan of phase 1, the executor, the two phases
-# ----------------------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -250,9 +248,7 @@ def _phase2(api: str, workspace, workspace_size, executor, stream) -> int:
     return ACLNN_SUCCESS
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Context options
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def aclrtCtxSetSysParamOpt(opt, value) -> int:  # noqa: N802

@@ -47,9 +47,7 @@ def _fallback_key(auto: bool, query, key, value, topk, bs, deterministic=None) -
             query.shape[2], value.shape[2], topk.shape[2], bs, deterministic)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # custom ops
-# ----------------------------------------------------------------------------------------------------------------
 
 
 # Kept out of CUDA graphs (torch.compile(mode="reduce-overhead") runs them between the captured partitions): they
@@ -151,9 +149,7 @@ def _backward(ctx, dout, dm, dl):
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # public functions
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def nsa_selected_attention(
