@@ -1,4 +1,5 @@
-"""torch.nn modules: the top-k router, grouped experts and the expert-parallel MoE layer (docs/moe-layer.md)."""
+"""torch.nn modules: the top-k router, grouped experts, the expert-parallel MoE layer (docs/moe-layer.md) and
+NativeSparseAttention (docs/nsa-module.md)."""
 
 from .balancing import update_expert_bias
 from .experts import GroupedExperts
