@@ -8,12 +8,12 @@ Runs only under the interpreter or with CUDA. Every fresh output the launchers a
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_available():
+from sparseops import _checks  # reads TRITON_INTERPRET as Triton does; imports no triton
+
+if not _checks.triton_interpret() and not torch.cuda.is_available():
     pytest.skip("needs CUDA or TRITON_INTERPRET=1 (set before triton is imported)", allow_module_level=True)
 pytest.importorskip("triton")
 
@@ -23,7 +23,7 @@ from sparseops.moe import triton_impl  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
-DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else "cpu"
+DEVICE = "cuda" if torch.cuda.is_available() and not _checks.triton_interpret() else "cpu"
 F64 = torch.float64
 
 

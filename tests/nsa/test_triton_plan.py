@@ -8,12 +8,12 @@ Shapes are tiny because the interpreter executes every program in Python.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if os.environ.get("TRITON_INTERPRET", "0") != "1" and not torch.cuda.is_available():
+from sparseops import _checks  # reads TRITON_INTERPRET as Triton does; imports no triton
+
+if not _checks.triton_interpret() and not torch.cuda.is_available():
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 pytest.importorskip("triton")
 

@@ -4,16 +4,15 @@ backend, the check against the float64 reference, the forward's launch plan, and
 from __future__ import annotations
 
 import contextlib
-import os
 
 import pytest
 import torch
 
-from sparseops import testing
+from sparseops import _checks, testing
 from sparseops._varlen import normalize_cu_seqlens
 from sparseops.nsa import reference, triton_impl, triton_plan
 
-DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "cuda"
+DEVICE = "cpu" if _checks.triton_interpret() else "cuda"
 #: the NSA Triton backend's tuning knobs
 S = triton_plan.SETTINGS
 
