@@ -327,3 +327,23 @@ def test_ksum_kernel_under_autograd(ksum):
     pt64, _, _ = moe_token_permute_with_ep(t64, d["indices"], None, rng, backend="reference")
     (want,) = torch.autograd.grad((pt64 * w.to(F64)).sum(), [t64])
     assert_close(gt, want, torch.float32, name="tokens.grad")
+
+
+@pytest.mark.parametrize("T,K,H,rng,with_probs", KSUM_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ksum_compiled_and_eager_paths_agree_bitwise(ksum, monkeypatch, T, K, H, rng, with_probs, dtype):
+    """Each product rounded, then added in k order, on both paths: a token's sum does not depend on which path
+    its call's size picks (the expert-parallel run's per-rank calls are smaller than one process's)."""
+    from sparseops import moe_token_permute_with_ep_grad, moe_token_unpermute_with_ep
+
+    g, si, pt, probs = _seed_case(T, K, H, rng, dtype, zero_probs=True)
+    p = probs if with_probs else None
+    before = ksum.calls
+    a = moe_token_unpermute_with_ep(pt, si, p, K, rng, backend="torch")
+    ta, _ = moe_token_permute_with_ep_grad(pt, si, None, K, rng, backend="torch")
+    assert ksum.calls == before + 2
+    monkeypatch.setenv("SPARSEOPS_COMPILE", "0")
+    b = moe_token_unpermute_with_ep(pt, si, p, K, rng, backend="torch")
+    tb, _ = moe_token_permute_with_ep_grad(pt, si, None, K, rng, backend="torch")
+    assert ksum.calls == before + 2, "SPARSEOPS_COMPILE=0 must keep the eager path"
+    assert torch.equal(a, b) and torch.equal(ta, tb)

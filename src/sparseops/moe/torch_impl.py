@@ -179,7 +179,8 @@ def permute(tokens, sorted_indices, probs, K, s, e):
 
 def _sum_over_k(src, rows, valid, weights, out):
     """``out[t] = sum_k weights[t, k] * src[rows[t, k]]`` over valid slots (weight 0 skipped), k ascending, in
-    the accumulation dtype, rounded once into ``out``. ``weights`` None means plain sum."""
+    the accumulation dtype (each product rounded, then added: the compiled kernel's arithmetic, so the eager
+    and compiled paths agree bitwise), rounded once into ``out``. ``weights`` None means plain sum."""
     T, K = rows.shape
     H = src.shape[1]
     acc_dtype = _acc_dtype(src, weights)
@@ -211,10 +212,11 @@ def _sum_over_k(src, rows, valid, weights, out):
             if n_valid != t1 - t0:
                 buf.masked_fill_(~v[:, None], 0)  # an unused row may hold inf/NaN: never multiply it
             term = buf if buf.dtype == acc_dtype else buf.to(acc_dtype)
-            if weights is None:
-                acc.add_(term)
-            else:
-                acc.addcmul_(term, weights[t0:t1, k, None])
+            if weights is not None:
+                # the product rounded, then added (no fused multiply-add): the compiled kernel's arithmetic,
+                # so a token's sum does not depend on which path its call's size picks
+                term.mul_(weights[t0:t1, k, None])
+            acc.add_(term)
         if not direct:
             out[t0:t1].copy_(acc)
     return out
@@ -250,10 +252,9 @@ def _sum_over_live_slots(src, rows, valid, weights, out, acc_dtype, step):
             n = t0 + int((count[t0:t1] > j).sum())  # tokens t0..n-1 have a j-th live slot
             term = torch.index_select(src, 0, live_rows[t0:n, j])
             term = term if term.dtype == acc_dtype else term.to(acc_dtype)
-            if live_w is None:
-                acc[: n - t0].add_(term)
-            else:
-                acc[: n - t0].addcmul_(term, live_w[t0:n, j, None])
+            if live_w is not None:
+                term.mul_(live_w[t0:n, j, None])  # product rounded, then added: see _sum_over_k
+            acc[: n - t0].add_(term)
         out.index_copy_(0, order[t0:t1], acc.to(out.dtype))
     return out
 
