@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparseops.distributed import all_gather, all_to_all, reduce_scatter, spawn
+from sparseops.distributed import (
+    all_gather,
+    all_to_all,
+    even_sizes,
+    gather_rows,
+    reduce_scatter,
+    spawn,
+    split_rows,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -39,6 +47,24 @@ def _one(rank, ws, sizes):
             out[("scatter", dt)] = r.detach().clone()
             r.sum().backward()
             out[("scatter.grad", dt)] = y.grad.clone()
+    # split_rows / gather_rows inside a replicated computation: every rank holds the same x and weights
+    for dt in (torch.float32, torch.float64, torch.bfloat16):
+        x = _rows(sum(sizes), 0, dt).requires_grad_(True)
+        part = split_rows(x, None, sizes)
+        out[("split", dt)] = part.detach().clone()
+        (part * (rank + 1)).sum().backward()  # each rank's block weighted by its rank + 1
+        out[("split.grad", dt)] = x.grad.clone()
+        mine = part.detach().clone().requires_grad_(True)
+        whole = gather_rows(mine, None, sizes)
+        out[("gather_rows", dt)] = whole.detach().clone()
+        (whole * torch.arange(sum(sizes), dtype=dt)[:, None]).sum().backward()  # the same loss on every rank
+        out[("gather_rows.grad", dt)] = mine.grad.clone()
+    out["split-even"] = split_rows(torch.arange(sum(sizes) + 2.0)[:, None], None).squeeze(1).tolist()
+    for bad in ([sum(sizes) + 1] + [0] * (ws - 1), [1] * (ws + 1)):
+        try:
+            split_rows(torch.ones(sum(sizes), 3), None, bad)
+        except ValueError as exc:
+            out.setdefault("split-bad", []).append(str(exc))
     # all_to_all: rank r sends (r + q) % 3 rows to rank q
     send = [(rank + q) % 3 for q in range(ws)]
     recv = [(q + rank) % 3 for q in range(ws)]
@@ -93,3 +119,19 @@ def _check(res, sizes):
                 grad[start_r + j] = 2 * (got_q + j + 1)
         assert torch.equal(out["a2a.grad"], grad), r
         assert "sizes: expected sizes" in out["bad"]
+        lo = sum(sizes[:r])
+        for dt in (torch.float32, torch.float64, torch.bfloat16):
+            x = _rows(sum(sizes), 0, dt)
+            assert torch.equal(out[("split", dt)], x[lo:lo + sizes[r]]), (r, dt)
+            # the backward all-gathers the blocks' gradients: block q weighted q + 1, on every rank
+            w = torch.repeat_interleave(torch.arange(1, ws + 1), torch.tensor(sizes)).to(dt)[:, None].expand(-1, 3)
+            assert torch.equal(out[("split.grad", dt)], w), (r, dt)
+            assert torch.equal(out[("gather_rows", dt)], x), (r, dt)
+            # the backward keeps this rank's rows of the (replicated) gradient: no sum over ranks
+            exp = torch.arange(sum(sizes), dtype=dt)[lo:lo + sizes[r], None].expand(-1, 3)
+            assert torch.equal(out[("gather_rows.grad", dt)], exp), (r, dt)
+        n = sum(sizes) + 2
+        e = even_sizes(n, ws)
+        assert sum(e) == n and max(e) - min(e) <= 1
+        assert out["split-even"] == list(range(sum(e[:r]), sum(e[:r + 1])))
+        assert len(out["split-bad"]) == 2 and all("sizes: expected" in m for m in out["split-bad"])

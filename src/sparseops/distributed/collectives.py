@@ -6,6 +6,11 @@
   sum over ranks of rows ``[sum(sizes[:r]), sum(sizes[:r+1]))``. Backward: ``all_gather``.
 - ``all_to_all(x, output_split_sizes, input_split_sizes, group)``: ``all_to_all_single`` with uneven
   splits. Backward: the reverse exchange.
+- ``split_rows(x, group, sizes)`` / ``gather_rows(x, group, sizes)``: the pair around a piece of work split
+  over the ranks inside a replicated computation (every rank holds the same ``x`` and computes the same loss
+  from the gathered result). ``split_rows`` keeps this rank's rows, its backward all-gathers the ranks'
+  gradients; ``gather_rows`` all-gathers, its backward keeps this rank's rows of the (replicated) gradient.
+  No arithmetic: every number stays bitwise what one process computes.
 
 Everything is built on ``all_to_all_single``, which every c10d backend implements with uneven splits
 (gloo has no uneven all-gather). Sums run locally in rank order in fp32 (float64 stays float64) and are
@@ -119,6 +124,30 @@ class _AllToAll(torch.autograd.Function):
         return _a2a(grad, in_sizes, out_sizes, ctx.group), None, None, None
 
 
+class _SplitRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        _, rank = group_size_rank(group)
+        return x.narrow(0, sum(sizes[:rank]), sizes[rank]).clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad.contiguous(), ctx.sizes, ctx.group), None, None
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _all_gather(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _, rank = group_size_rank(ctx.group)
+        return grad.narrow(0, sum(ctx.sizes[:rank]), ctx.sizes[rank]).contiguous(), None, None
+
+
 def _check_x(x) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
@@ -194,3 +223,57 @@ def all_to_all(x: torch.Tensor, output_split_sizes: Sequence[int], input_split_s
         raise ValueError(f"input_split_sizes: expected them to sum to x.shape[0] = {x.shape[0]}, "
                          f"got {in_sizes} (sum {sum(in_sizes)})")
     return _AllToAll.apply(x, out_sizes, in_sizes, group)
+
+
+def even_sizes(n: int, world_size: int) -> list[int]:
+    """``n`` rows split into ``world_size`` consecutive blocks as evenly as possible (the first ones smaller)."""
+    return [(q + 1) * n // world_size - q * n // world_size for q in range(world_size)]
+
+
+def _replicated_sizes(x: torch.Tensor, group: Group, sizes) -> list[int]:
+    ws, _ = group_size_rank(group)
+    sizes = even_sizes(x.shape[0], ws) if sizes is None else _check_sizes("sizes", sizes, ws)
+    if sum(sizes) != x.shape[0]:
+        raise ValueError(f"sizes: expected them to sum to x.shape[0] = {x.shape[0]}, got {sizes} (sum {sum(sizes)})")
+    return sizes
+
+
+def split_rows(x: torch.Tensor, group: Group = None, sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """This rank's block of the rows of a tensor every rank holds alike; differentiable.
+
+    The entry of a piece of work split over the ranks inside a replicated computation; :func:`gather_rows`
+    is its exit.
+
+    Args:
+        x: `[sum(sizes), ...]`, the same tensor on every rank (not checked: the caller's contract).
+        group: the process group (None: the default group).
+        sizes: rows per rank (the same list everywhere); None: :func:`even_sizes`.
+
+    Returns:
+        `[sizes[r], ...]` a copy of rows ``[sum(sizes[:r]), sum(sizes[:r+1]))``. Backward: the ranks' gradients
+        all-gathered in rank order, so every rank gets the whole (replicated) gradient of ``x``.
+    """
+    x = _check_x(x)
+    return _SplitRows.apply(x, _replicated_sizes(x, group, sizes), group)
+
+
+def gather_rows(x: torch.Tensor, group: Group = None, sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Concatenate every rank's rows in rank order, for a computation every rank then runs alike; differentiable.
+
+    The same forward as :func:`all_gather`; the backward differs: every rank must compute the same loss from
+    the result (a replicated region), so its gradient is the same on every rank and rank r keeps its own rows
+    of it (no sum, which would count the loss ``ws`` times).
+
+    Args:
+        x: `[sizes[r], ...]` this rank's rows. group: the process group (None: the default group).
+        sizes: every rank's row count (the same list everywhere); None exchanges them (a host sync).
+
+    Returns:
+        `[sum(sizes), ...]`. Backward: rows ``[sum(sizes[:r]), sum(sizes[:r+1]))`` of the gradient.
+    """
+    x = _check_x(x)
+    ws, rank = group_size_rank(group)
+    sizes = _exchange_sizes(x.shape[0], group, x.device) if sizes is None else _check_sizes("sizes", sizes, ws)
+    if sizes[rank] != x.shape[0]:
+        raise ValueError(f"sizes: expected sizes[{rank}] = x.shape[0] = {x.shape[0]} on rank {rank}, got {sizes[rank]}")
+    return _GatherRows.apply(x, sizes, group)
