@@ -18,6 +18,9 @@ from sparseops.testing import TOLERANCES, assert_close
 pytestmark = pytest.mark.distributed
 
 H, F, FS = 12, 10, 6
+#: the expert FFN size of the replicated-token runs: a multiple of 32, so that no row of the activation ends in
+#: the scalar tail of a CPU SIMD loop (whose exp rounds unlike the vector one): the condition of bitwise equality
+FR = 32
 TIMEOUT = 120.0
 AUX = 3.0
 DISPATCHERS = ("allgather", "alltoall")
@@ -45,13 +48,13 @@ CASES = [
 ]
 
 
-def _globals(name: str, E: int, kw: dict, skew: bool) -> dict:
+def _globals(name: str, E: int, kw: dict, skew: bool, f: int = F) -> dict:
     """Every expert's weights (float64), the same on every rank and in the parent."""
     g = torch.Generator().manual_seed(sum(map(ord, name)) + 7 * E)
     p = {"router": torch.randn(E, H, generator=g, dtype=torch.float64) * H ** -0.5,
-         "w1": torch.randn(E, F, H, generator=g, dtype=torch.float64) * H ** -0.5,
-         "w3": torch.randn(E, F, H, generator=g, dtype=torch.float64) * H ** -0.5,
-         "w2": torch.randn(E, H, F, generator=g, dtype=torch.float64) * F ** -0.5,
+         "w1": torch.randn(E, f, H, generator=g, dtype=torch.float64) * H ** -0.5,
+         "w3": torch.randn(E, f, H, generator=g, dtype=torch.float64) * H ** -0.5,
+         "w2": torch.randn(E, H, f, generator=g, dtype=torch.float64) * f ** -0.5,
          "shared": None, "expert_bias": None}
     if kw.get("shared_ffn_size"):
         p["shared"] = (torch.randn(FS, H, generator=g, dtype=torch.float64) * H ** -0.5,
@@ -76,17 +79,7 @@ def _run(rank, ws, case, dispatcher, group):
     E = El * ws
     P = _globals(name, E, kw, skew)
     layer = MoELayer(H, F, E, K, ep_group=group, dispatcher=dispatcher, dtype=dtype, **kw)
-    lo, hi = rank * El, (rank + 1) * El
-    with torch.no_grad():
-        layer.router.weight.copy_(P["router"])
-        layer.experts.w1.copy_(P["w1"][lo:hi])
-        layer.experts.w3.copy_(P["w3"][lo:hi])
-        layer.experts.w2.copy_(P["w2"][lo:hi])
-        if layer.shared is not None:
-            for w, v in zip((layer.shared.w1, layer.shared.w3, layer.shared.w2), P["shared"]):
-                w.copy_(v)
-        if P["expert_bias"] is not None:
-            layer.router.expert_bias.copy_(P["expert_bias"])
+    _load(layer, P, rank * El, (rank + 1) * El)
     x0, g0 = _inputs(name, tokens[rank], rank, skew)
     out = []
     for _ in range(2 if dtype != torch.float64 else 1):
@@ -102,6 +95,43 @@ def _run(rank, ws, case, dispatcher, group):
     return out
 
 
+def _load(layer, P, lo, hi):
+    with torch.no_grad():
+        layer.router.weight.copy_(P["router"])
+        layer.experts.w1.copy_(P["w1"][lo:hi])
+        layer.experts.w3.copy_(P["w3"][lo:hi])
+        layer.experts.w2.copy_(P["w2"][lo:hi])
+        if layer.shared is not None:
+            for w, v in zip((layer.shared.w1, layer.shared.w3, layer.shared.w2), P["shared"]):
+                w.copy_(v)
+        if P["expert_bias"] is not None:
+            layer.router.expert_bias.copy_(P["expert_bias"])
+
+
+def _run_replicated(rank, ws, case, dispatcher, group):
+    """``replicated_tokens``: every rank passes the whole batch; also the one-process layer on it, here."""
+    name, tokens, El, K, dtype, kw, skew = case
+    E = El * ws
+    P = _globals(name, E, kw, skew, FR)
+    xs, gs = zip(*[_inputs(name, T, q, skew) for q, T in enumerate(tokens[:ws])])
+    x0, g0 = torch.cat(xs), torch.cat(gs)
+    out = {}
+    for key, layer, (lo, hi) in (
+            ("ep", MoELayer(H, FR, E, K, ep_group=group, dispatcher=dispatcher, replicated_tokens=True,
+                            dtype=dtype, **kw), (rank * El, (rank + 1) * El)),
+            ("one", MoELayer(H, FR, E, K, dtype=dtype, **kw), (0, E))):
+        _load(layer, P, lo, hi)
+        x = x0.to(dtype).requires_grad_(True)
+        y, aux = layer(x)
+        ((y * g0.to(dtype)).sum() + AUX * aux.loss).backward()
+        grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+        for n in ("experts.w1", "experts.w3", "experts.w2"):
+            grads[n] = grads[n][rank * El:(rank + 1) * El] if key == "one" else grads[n]
+        out[key] = {"y": y.detach(), "x.grad": x.grad, "grads": grads, "loss": aux.loss.detach(),
+                    "kept": aux.tokens_per_expert, "dropped": aux.dropped}
+    return out
+
+
 def _worker(rank, ws, cases):
     import torch.distributed as dist
 
@@ -110,6 +140,15 @@ def _worker(rank, ws, cases):
     for case in cases:
         for d in DISPATCHERS:
             res[(case[0], d)] = _run(rank, ws, case, d, group)
+            res[("replicated", case[0], d)] = _run_replicated(rank, ws, case, d, group)
+    # replicated tokens that differ between the ranks: every rank fails, none hangs
+    for what, x in (("count", torch.randn(3 + (rank == 1), H)),
+                    ("routing", torch.randn(5, H, generator=torch.Generator().manual_seed(min(rank, 1))))):
+        try:
+            MoELayer(H, F, 2 * ws, 2, ep_group=group, replicated_tokens=True)(x)
+            res[("replicated-disagree", what)] = None
+        except ValueError as exc:
+            res[("replicated-disagree", what)] = str(exc)
     # update_expert_bias: counts of the training-mode forwards, summed over the group
     layer = MoELayer(H, F, 2 * ws, 2, ep_group=group, expert_bias=True)
     layer(torch.randn(3 + rank, H))
@@ -188,16 +227,43 @@ def _check(case, ws, res, dispatcher):
             assert_close(total, pgrads[n], tol_dtype, f"{name}/{dispatcher} ws={ws}: sum over ranks of {n}.grad")
 
 
+def _check_replicated(case, ws, res, dispatcher):
+    """Every rank returns the one-process numbers for the whole batch: bitwise with alltoall (each token's
+    outputs summed on its own rank in k order), within the dtype's tolerance with allgather (rank order)."""
+    name, dtype = case[0], case[4]
+    for r in range(ws):
+        run = res[r][("replicated", name, dispatcher)]
+        ep, one = run["ep"], run["one"]
+        where = f"replicated {name}/{dispatcher} ws={ws} rank {r}"
+        pairs = [("y", ep["y"], one["y"]), ("x.grad", ep["x.grad"], one["x.grad"]),
+                 ("aux loss", ep["loss"], one["loss"])]
+        pairs += [(f"{n}.grad", ep["grads"][n], one["grads"][n]) for n in one["grads"]]
+        for what, a, b in pairs:
+            if dispatcher == "alltoall":
+                assert a.dtype == b.dtype and torch.equal(a, b), f"{where}: {what} not bitwise the one-process one"
+            else:
+                assert_close(a.double(), b.double(), dtype, f"{where}: {what}")
+        assert ep["kept"].tolist() == one["kept"].tolist() and ep["dropped"] == one["dropped"], where
+        # the replicated parameters' gradients are the same on every rank: nothing to all-reduce
+        for n in one["grads"]:
+            if not n.startswith("experts."):
+                assert torch.equal(ep["grads"][n], res[0][("replicated", name, dispatcher)]["ep"]["grads"][n]), where
+
+
 @pytest.mark.parametrize("ws", [2, 3, 4], ids=lambda w: f"ws{w}")
 def test_ep_layer_matches_oracle(ws):
     res = spawn(_worker, ws, CASES, timeout=TIMEOUT)
     failures = []
     for case in CASES:
         for d in DISPATCHERS:
-            try:
-                _check(case, ws, res, d)
-            except AssertionError as exc:
-                failures.append(str(exc))
+            for check in (_check, _check_replicated):
+                try:
+                    check(case, ws, res, d)
+                except AssertionError as exc:
+                    failures.append(str(exc))
+    for r in res:
+        assert "x: expected the same tokens on every rank" in (r[("replicated-disagree", "count")] or "")
+        assert "different routing" in (r[("replicated-disagree", "routing")] or "")
     # update_expert_bias: the same bias everywhere, from the group's counts
     n, _, bias0, left = res[0]["bias"]
     total = sum(r["bias"][1] for r in res).double()

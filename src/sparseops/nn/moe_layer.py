@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_float, check_int
+from ..distributed.collectives import even_sizes, gather_rows, split_rows
 from ..distributed.dispatchers import DISPATCH, DISPATCHERS, Plan
 from .capacity import DROP_POLICIES, capacity, drop_to_sink
 from .experts import ACTIVATIONS, GroupedExperts, _act_fwd
@@ -71,12 +72,21 @@ class MoELayer(nn.Module):
       one-process gradient: reduce them with the data-parallel gradient sync, as any replicated parameter;
     - every parameter gets a gradient tensor on every rank (zeros where no token reached it, also at T = 0).
 
+    With ``replicated_tokens=True`` every rank passes the same tokens instead (expert parallelism without
+    data parallelism: the layers around run the whole batch on every rank). Every rank routes all of them
+    alike, rank r sends the r-th of ``ep`` consecutive token blocks to the experts, and the outputs are
+    gathered back, so every rank returns ``y`` for all tokens. Every number — ``y``, ``x.grad``, the loss and
+    every gradient, the replicated ones included — is bitwise what one process computes on those tokens
+    with the same dispatch arithmetic (docs/moe-layer.md, "Replicated tokens"); nothing is all-reduced. The
+    capacity applies to the whole batch. Ranks that pass different token counts or routings fail together.
+
     Args:
         hidden_size: H. ffn_size: F of each routed expert. num_experts: E (global). top_k: K.
         ep_group: the expert-parallel process group (None: one process holds every expert).
         dispatcher: ``"allgather"`` or ``"alltoall"`` (same results; traffic in docs/moe-layer.md).
         capacity_factor: None (no drop) or ``> 0``: each expert keeps ``ceil(cf * T * K / E)`` slots of each
             rank's own tokens. drop_policy: ``"probs"`` (keep the largest) or ``"position"`` (the first).
+        replicated_tokens: every rank of ``ep_group`` passes the same tokens (see above); False: its own.
         shared_ffn_size: Fs of the shared expert (0: none). activation: ``"swiglu"`` or ``"gelu"`` (routed).
         backend: passed to the MoE ops (``"auto"``: Triton on CUDA).
         router_kwargs: :class:`TopKRouter` keywords (``score_func``, ``num_groups``, ``aux_loss_coeff`` ...);
@@ -88,8 +98,8 @@ class MoELayer(nn.Module):
 
     def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int, *,
                  ep_group: dist.ProcessGroup | None = None, dispatcher: str = "allgather",
-                 capacity_factor: float | None = None, drop_policy: str = "probs", shared_ffn_size: int = 0,
-                 activation: str = "swiglu", backend: str = "auto", **router_kwargs):
+                 capacity_factor: float | None = None, drop_policy: str = "probs", replicated_tokens: bool = False,
+                 shared_ffn_size: int = 0, activation: str = "swiglu", backend: str = "auto", **router_kwargs):
         super().__init__()
         device, dtype = router_kwargs.pop("device", None), router_kwargs.pop("dtype", None)
         H = check_int("hidden_size", hidden_size, lo=1)
@@ -107,6 +117,8 @@ class MoELayer(nn.Module):
             raise ValueError(f"capacity_factor: expected None or a number > 0, got {capacity_factor!r}")
         if not isinstance(backend, str):
             raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
+        if not isinstance(replicated_tokens, bool):
+            raise TypeError(f"replicated_tokens: expected a bool, got {type(replicated_tokens).__name__}")
         ep, rank = (1, 0) if ep_group is None else (dist.get_world_size(ep_group), dist.get_rank(ep_group))
         if E % ep:
             raise ValueError(f"ep_group: expected a group size that divides num_experts = {E}, got {ep} ranks")
@@ -114,6 +126,7 @@ class MoELayer(nn.Module):
         self.ep_group, self.ep_size, self.ep_rank = ep_group, ep, rank
         self.dispatcher, self.drop_policy, self.backend = dispatcher, drop_policy, backend
         self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
+        self.replicated_tokens = replicated_tokens
         kw = {"device": device, "dtype": dtype}
         self.router = TopKRouter(H, E, top_k, **router_kwargs, **kw)
         self.experts = GroupedExperts(E // ep, H, ffn_size, activation, **kw)
@@ -128,14 +141,15 @@ class MoELayer(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"ep={self.ep_size}, dispatcher={self.dispatcher!r}, capacity_factor={self.capacity_factor}, "
-                f"drop_policy={self.drop_policy!r}")
+                f"drop_policy={self.drop_policy!r}, replicated_tokens={self.replicated_tokens}")
 
     def _check_group(self, device) -> None:
         """One small all-gather at the first forward: ranks that disagree on the layer's shape fail together."""
         act = ACTIVATIONS.index(self.experts.activation)
         mine = [self.num_experts, self.top_k, self.hidden_size, self.ffn_size, DISPATCHERS.index(self.dispatcher),
-                act, -1 if self.shared is None else self.shared.w1.shape[0]]
-        names = ("num_experts", "top_k", "hidden_size", "ffn_size", "dispatcher", "activation", "shared_ffn_size")
+                act, -1 if self.shared is None else self.shared.w1.shape[0], int(self.replicated_tokens)]
+        names = ("num_experts", "top_k", "hidden_size", "ffn_size", "dispatcher", "activation", "shared_ffn_size",
+                 "replicated_tokens")
         t = torch.tensor(mine, dtype=torch.int64, device=device)
         rows = [torch.empty_like(t) for _ in range(self.ep_size)]
         dist.all_gather(rows, t, group=self.ep_group)
@@ -155,6 +169,8 @@ class MoELayer(nn.Module):
             raise TypeError(f"x: expected dtype {self.experts.w1.dtype} (the experts' weights), got {x.dtype}")
         if not self._group_checked:
             self._check_group(x.device)
+        if self.replicated_tokens and self.ep_size > 1:
+            return self._forward_replicated(x, x2)
         E, K, T = self.num_experts, self.top_k, x2.shape[0]
         logits, scores, indices, probs, routed = self.router.route(x2)
         psum, zsum = self.router.loss_terms(logits, scores)
@@ -173,4 +189,40 @@ class MoELayer(nn.Module):
             y = y + self.shared(x2)
         kept_g = torch.tensor(plan.group_counts(), dtype=torch.int64, device=x.device)
         dropped = int(round(sum(sum(p) for p in st.piece(1)))) - int(sum(plan.group_counts()))
+        return y.view(x.shape), MoEAux(loss, kept_g, dropped)
+
+    def _forward_replicated(self, x: torch.Tensor, x2: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
+        """``replicated_tokens``: route all tokens, dispatch this rank's block, gather the outputs back."""
+        E, K, T, ws, r = self.num_experts, self.top_k, x2.shape[0], self.ep_size, self.ep_rank
+        logits, scores, indices, probs, routed = self.router.route(x2)
+        psum, zsum = self.router.loss_terms(logits, scores)
+        if self.capacity_factor is not None:
+            indices = drop_to_sink(indices, probs, E, capacity(self.capacity_factor, T, K, E), self.drop_policy)
+        sizes = even_sizes(T, ws)
+        block = torch.repeat_interleave(torch.arange(ws, device=x.device),
+                                        torch.tensor(sizes, device=x.device), output_size=T)
+        kept = torch.bincount((block[:, None] * (E + 1) + indices).reshape(-1), minlength=ws * (E + 1))
+        kept = kept.view(ws, E + 1)[:, :E]
+        weights = torch.arange(1, T * K + 1, dtype=torch.float64, device=x.device).view(T, K)
+        checksum = (indices.to(torch.float64) * weights).sum().reshape(1)  # the same on every rank, or a bug
+        st = gather_stats(self.ep_group, [T], routed, kept, psum.detach(), zsum.detach(), checksum)
+        for q in range(ws):  # one host sync, as in the per-rank mode; every rank sees the same rows
+            for i, name in ((0, "token count"), (2, "routing"), (5, "routing")):
+                if st.piece(i)[q] != st.piece(i)[r]:
+                    raise ValueError(f"x: expected the same tokens on every rank of ep_group (replicated_tokens="
+                                     f"True), got a different {name} on rank {q} than on rank {r}")
+        own = st.row(r)
+        loss = self.router.losses(psum, zsum, T, own.sum_tensor(1, x.device), own.sum_tensor(3, x.device),
+                                  own.total(4))
+        kept_rows = own.ints(2)[0]
+        plan = Plan(tokens=sizes, kept=[kept_rows[q * E:(q + 1) * E] for q in range(ws)], rank=r, world_size=ws)
+        lo = sum(sizes[:r])
+        y = DISPATCH[self.dispatcher](split_rows(x2, self.ep_group, sizes), indices[lo:lo + sizes[r]],
+                                      split_rows(probs, self.ep_group, sizes), plan, self.experts.apply_counts,
+                                      self.ep_group, self.backend)
+        y = gather_rows(y, self.ep_group, sizes)
+        if self.shared is not None:
+            y = y + self.shared(x2)
+        kept_g = torch.tensor(plan.group_counts(), dtype=torch.int64, device=x.device)
+        dropped = int(round(sum(own.piece(1)[0]))) - int(sum(plan.group_counts()))
         return y.view(x.shape), MoEAux(loss, kept_g, dropped)

@@ -17,9 +17,14 @@ class GroupStats:
 
     def __init__(self, rows: list[list[float]], lengths: list[int]):
         self.rows = rows
+        self.lengths = list(lengths)
         self.offsets = [0]
         for n in lengths:
             self.offsets.append(self.offsets[-1] + n)
+
+    def row(self, r: int) -> GroupStats:
+        """Rank r's numbers alone, as if gathered over a group of one."""
+        return GroupStats([self.rows[r]], self.lengths)
 
     @property
     def world_size(self) -> int:
