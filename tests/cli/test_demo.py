@@ -33,19 +33,29 @@ def test_quick_run_schema_and_ep(tmp_path, capsys):
         assert _is_float(r[key]["recall"]) and 0.0 <= r[key]["recall"] <= 1.0
         assert sum(r[key]["loss"][-5:]) < sum(r[key]["loss"][:5])  # it learns (the value distribution at least)
     assert r["ep"]["world_size"] == 2 and _is_float(r["ep"]["max_abs_loss_diff"])
-    assert r["ep"]["check_steps"] == steps  # the quick run is shorter than EP_CHECK_STEPS: every step checked
-    assert r["ep"]["max_rel_loss_diff"] <= demo.EP_RTOL["float32"]
+    assert (r["ep"]["mode"], r["ep"]["dispatcher"]) == ("replicated", "alltoall")  # the exact configuration
+    assert r["ep"]["check_steps"] == steps  # every step checked
+    # every rank runs the whole batch and each token's expert outputs are summed on its own rank: every loss is
+    # bitwise the one-process loss, in fp32 too
+    assert r["ep"]["max_abs_loss_diff"] == 0.0 and r["ep"]["bitwise_steps"] == steps
+    assert len(r["ep"]["loss"]) == steps and r["ep"]["recall"] == r["nsa"]["recall"]
     assert r["config"]["chance"] == pytest.approx(1 / r["config"]["task"]["num_values"])
     assert _is_float(r["seconds"]) and r["seconds"] > 0
     out = capsys.readouterr().out
-    assert "nsa" in out and "window_only" in out and "EP = 2" in out and "wall time" in out
+    assert "nsa" in out and "window_only" in out and "EP = 2 (replicated, alltoall)" in out and "wall time" in out
     pytest.importorskip("matplotlib")
     assert (tmp_path / "demo.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("argv, match", [(("--steps", "0"), "--steps"), (("--ep", "3"), "--ep")],
-                         ids=["no-steps", "ep-not-dividing"])
+@pytest.mark.parametrize("argv, match", [(("--steps", "0"), "--steps"), (("--ep", "3"), "--ep"),
+                                         (("--ep-mode", "model"), None), (("--dispatcher", "ring"), None)],
+                         ids=["no-steps", "ep-not-dividing", "bad-ep-mode", "bad-dispatcher"])
 def test_bad_arguments_write_nothing(tmp_path, argv, match):
+    if match is None:  # argparse's choices reject it (exit status 2) before anything runs
+        with pytest.raises(SystemExit) as exc:
+            _args(*argv, "--out", str(tmp_path / "o"))
+        assert exc.value.code == 2 and not (tmp_path / "o").exists()
+        return
     with pytest.raises(SystemExit, match=match):
         demo.run(_args(*argv, "--out", str(tmp_path / "o")))
     assert not (tmp_path / "o").exists()

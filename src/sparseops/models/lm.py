@@ -49,7 +49,8 @@ class LMConfig:
 class Block(nn.Module):
     """``h + attn(norm(h))``, then ``h + ffn(norm(h))``; returns the new ``h`` and the FFN's aux loss."""
 
-    def __init__(self, cfg: LMConfig, moe: bool, ep_group=None, device=None, dtype=None):
+    def __init__(self, cfg: LMConfig, moe: bool, ep_group=None, replicated_tokens=False, dispatcher="alltoall",
+                 device=None, dtype=None):
         super().__init__()
         kw = {"device": device, "dtype": dtype}
         self.attn_norm = nn.RMSNorm(cfg.hidden_size, **kw)
@@ -62,7 +63,8 @@ class Block(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.hidden_size, **kw)
         if moe:
             self.ffn = MoELayer(cfg.hidden_size, cfg.expert_ffn_size, cfg.num_experts, cfg.top_k,
-                                ep_group=ep_group, aux_loss_coeff=cfg.aux_loss_coeff, **kw)
+                                ep_group=ep_group, replicated_tokens=replicated_tokens, dispatcher=dispatcher,
+                                aux_loss_coeff=cfg.aux_loss_coeff, **kw)
         else:
             self.ffn = SharedExpert(cfg.hidden_size, cfg.ffn_size, **kw)
 
@@ -80,18 +82,26 @@ class CausalLM(nn.Module):
     Args:
         cfg: the sizes (:class:`LMConfig`).
         ep_group: the expert-parallel group of the MoE layers (None: every expert in this process). Under EP
-            each rank holds ``num_experts / ep`` experts per MoE layer and runs on its own sequences; see
-            :func:`expert_parameter` for which gradients to all-reduce.
+            each rank holds ``num_experts / ep`` experts per MoE layer.
+        replicated_tokens: under EP, every rank runs the whole batch (the layers other than the routed experts
+            compute it alike on every rank, the MoE layers split its tokens over the group): every number is
+            the one-process number and no gradient needs an all-reduce. False: each rank runs its own
+            sequences (data parallelism); see :func:`expert_parameter` for which gradients to all-reduce.
+        dispatcher: of the MoE layers under EP, ``"alltoall"`` (each token's expert outputs are summed on its
+            own rank in k order: the one-process arithmetic) or ``"allgather"`` (the ranks' partial sums are
+            added in rank order: equal up to rounding).
         device, dtype: of every parameter.
     """
 
-    def __init__(self, cfg: LMConfig, ep_group=None, device=None, dtype=None):
+    def __init__(self, cfg: LMConfig, ep_group=None, replicated_tokens: bool = False, dispatcher: str = "alltoall",
+                 device=None, dtype=None):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
         nn.init.normal_(self.embed.weight, std=cfg.hidden_size ** -0.5)
         self.blocks = nn.ModuleList(
-            Block(cfg, i >= cfg.dense_layers, ep_group, device, dtype) for i in range(cfg.num_layers))
+            Block(cfg, i >= cfg.dense_layers, ep_group, replicated_tokens, dispatcher, device, dtype)
+            for i in range(cfg.num_layers))
         self.norm = nn.RMSNorm(cfg.hidden_size, device=device, dtype=dtype)
 
     def forward(self, tokens: torch.Tensor, cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:

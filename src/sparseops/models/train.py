@@ -1,14 +1,22 @@
 """Training, evaluation and the expert-parallel run of the demo model on the recall task (docs/demo.md).
 
-One step: draw the global batch of ``batch_size`` sequences from the step's seed, keep this rank's share (all of
-it in one process; rank r of ``ep`` ranks takes sequences ``[r*B/ep, (r+1)*B/ep)``), and minimise
+One step: draw the global batch of ``batch_size`` sequences from the step's seed and minimise
 
     loss = (sum of the cross-entropies at the query keys of the global batch) / (their count) + aux loss,
 
-then all-reduce the gradients of the replicated parameters (every parameter but the routed experts', whose
-gradients :class:`sparseops.nn.MoELayer` already sums over the group), clip the global gradient norm and take an
-AdamW step. The sum of the ranks' losses is the one-process loss, so the EP run follows the one-process run step
-by step up to rounding.
+then clip the global gradient norm and take an AdamW step. Two expert-parallel modes (:data:`EP_MODES`):
+
+- ``"replicated"``: every rank trains on the whole batch; the layers other than the routed experts compute it
+  alike on every rank and each MoE layer splits its tokens over the ranks for the experts (``MoELayer``'s
+  ``replicated_tokens``). Nothing is all-reduced but the gradient norm's per-expert terms, gathered into the
+  one-process order: every loss and every parameter is bitwise the one-process one.
+- ``"data"``: rank r of ``ep`` ranks trains on sequences ``[r*B/ep, (r+1)*B/ep)`` and the gradients of the
+  replicated parameters (all but the routed experts', which :class:`sparseops.nn.MoELayer` already sums over
+  the group) are all-reduced. The sum of the ranks' losses is the one-process loss, so the run follows the
+  one-process run up to the rounding of the different summation order.
+
+The gradient norm sums the squares per parameter, the routed experts' per expert in global expert order, in
+every mode and in one process alike.
 """
 
 from __future__ import annotations
@@ -48,13 +56,19 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * warm * 0.5 * (1.0 + math.cos(math.pi * step / cfg.steps))
 
 
-def build_model(model_cfg: LMConfig, seed: int, dtype: torch.dtype, device, ep_group=None) -> CausalLM:
+#: the expert-parallel modes of :func:`train` (see the module docstring)
+EP_MODES = ("replicated", "data")
+
+
+def build_model(model_cfg: LMConfig, seed: int, dtype: torch.dtype, device, ep_group=None,
+                ep_mode: str = "replicated", dispatcher: str = "alltoall") -> CausalLM:
     """The model as seeded in one process; under EP every rank loads its own experts from that same state."""
     torch.manual_seed(seed)
     full = CausalLM(model_cfg, device=device, dtype=dtype)
     if ep_group is None:
         return full
-    model = CausalLM(model_cfg, ep_group=ep_group, device=device, dtype=dtype)
+    model = CausalLM(model_cfg, ep_group=ep_group, replicated_tokens=ep_mode == "replicated",
+                     dispatcher=dispatcher, device=device, dtype=dtype)
     load_full_state(model, full.state_dict())
     return model
 
@@ -75,9 +89,27 @@ def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
     return t
 
 
+def grad_norm_sq(replicated: list[torch.Tensor], experts: list[torch.Tensor], group=None) -> torch.Tensor:
+    """The squared global gradient norm, summed in an order that does not depend on the EP size.
+
+    One term per replicated parameter, then one per (routed expert parameter, expert) with the experts of all
+    ranks gathered in global order (``group``: the EP group, None in one process)."""
+    terms = [p.grad.pow(2).sum() for p in replicated]
+    if experts:
+        local = torch.stack([torch.stack([g.pow(2).sum() for g in p.grad.unbind(0)]) for p in experts])
+        if group is not None and dist.get_world_size(group) > 1:
+            parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, local.contiguous(), group=group)
+            local = torch.cat(parts, dim=1)
+        terms.extend(local.reshape(-1).unbind(0))
+    return torch.stack(terms).sum()
+
+
 @torch.no_grad()
 def recall(model: CausalLM, task: RecallTask, cfg: TrainConfig, device, group=None) -> float:
-    """Recall on ``eval_sequences`` held-out sequences: the share of query keys whose argmax is their value."""
+    """Recall on ``eval_sequences`` held-out sequences: the share of query keys whose argmax is their value.
+
+    ``group``: the data-parallel group whose ranks share the sequences (None: this process runs them all)."""
     gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
     rank, world = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
     was_training = model.training
@@ -95,7 +127,8 @@ def recall(model: CausalLM, task: RecallTask, cfg: TrainConfig, device, group=No
 
 
 def train(model_cfg: LMConfig, task: RecallTask, cfg: TrainConfig, *, dtype: torch.dtype = torch.float32,
-          device=None, ep_group=None, compile: bool = False,
+          device=None, ep_group=None, ep_mode: str = "replicated", dispatcher: str = "alltoall",
+          compile: bool = False,
           on_step: Callable[[int, float, float], None] | None = None) -> dict:
     """Train one model from its seed and evaluate its recall.
 
@@ -104,15 +137,22 @@ def train(model_cfg: LMConfig, task: RecallTask, cfg: TrainConfig, *, dtype: tor
         dtype: of the parameters and activations (float32 or float64).
         device: where to run (None: the CPU).
         ep_group: run expert-parallel over this group (each rank calls ``train``), or None.
+        ep_mode: one of :data:`EP_MODES` (see the module docstring); ignored without ``ep_group``.
+        dispatcher: of the MoE layers under EP (:class:`sparseops.models.CausalLM`); ``"alltoall"`` keeps the
+            one-process arithmetic.
         compile: run the model under ``torch.compile``.
         on_step: called as ``on_step(step, loss, tokens_per_second)`` after each step (rank 0 under EP).
 
     Returns:
         ``{"loss": [float per step], "recall": float, "seconds": float, "tokens_per_second": float}``.
     """
+    if ep_mode not in EP_MODES:
+        raise ValueError(f"ep_mode: expected one of {EP_MODES}, got {ep_mode!r}")
     device = torch.device("cpu") if device is None else torch.device(device)
-    rank, world = (0, 1) if ep_group is None else (dist.get_rank(ep_group), dist.get_world_size(ep_group))
-    model = build_model(model_cfg, cfg.seed, dtype, device, ep_group)
+    # the group over which the ranks split the batch: none when every rank runs it whole
+    dp_group = ep_group if ep_mode == "data" else None
+    rank, world = (0, 1) if dp_group is None else (dist.get_rank(dp_group), dist.get_world_size(dp_group))
+    model = build_model(model_cfg, cfg.seed, dtype, device, ep_group, ep_mode, dispatcher)
     run = torch.compile(model) if compile else model
     named = list(model.named_parameters())
     replicated = [p for n, p in named if not expert_parameter(n)]
@@ -133,41 +173,42 @@ def train(model_cfg: LMConfig, task: RecallTask, cfg: TrainConfig, *, dtype: tor
         for p in replicated + experts:  # parameters of a branch the ablation does not compute
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if ep_group is not None:
+        if dp_group is not None:
             for p in replicated:
-                dist.all_reduce(p.grad, group=ep_group)
-        norm_sq = torch.stack([torch.stack([p.grad.pow(2).sum() for p in replicated]).sum(),
-                               _all_reduce(torch.stack([p.grad.pow(2).sum() for p in experts]).sum(), ep_group)])
-        coef = (cfg.clip / (norm_sq.sum().sqrt() + 1e-6)).clamp(max=1.0)
+                dist.all_reduce(p.grad, group=dp_group)
+        coef = (cfg.clip / (grad_norm_sq(replicated, experts, ep_group).sqrt() + 1e-6)).clamp(max=1.0)
         for p in replicated + experts:
             p.grad.mul_(coef)
         opt.step()
-        loss = _all_reduce(ce.detach().clone(), ep_group) + aux.detach()
+        loss = _all_reduce(ce.detach().clone(), dp_group) + aux.detach()
         losses.append(float(loss))
         if on_step is not None and rank == 0:
             elapsed = time.perf_counter() - start
             on_step(step, losses[-1], (step + 1) * cfg.batch_size * task.seq_len / elapsed)
     seconds = time.perf_counter() - start
-    return {"loss": losses, "recall": recall(run, task, cfg, device, ep_group), "seconds": seconds,
+    return {"loss": losses, "recall": recall(run, task, cfg, device, dp_group), "seconds": seconds,
             "tokens_per_second": cfg.steps * cfg.batch_size * task.seq_len / seconds}
 
 
 def _ep_worker(rank: int, world_size: int, model_cfg: LMConfig, task: RecallTask, cfg: TrainConfig,
-               dtype: torch.dtype, compile: bool) -> dict:
-    return train(model_cfg, task, cfg, dtype=dtype, ep_group=dist.group.WORLD, compile=compile)
+               dtype: torch.dtype, ep_mode: str, dispatcher: str, compile: bool) -> dict:
+    return train(model_cfg, task, cfg, dtype=dtype, ep_group=dist.group.WORLD, ep_mode=ep_mode,
+                 dispatcher=dispatcher, compile=compile)
 
 
 def train_expert_parallel(model_cfg: LMConfig, task: RecallTask, cfg: TrainConfig, world_size: int, *,
-                          dtype: torch.dtype = torch.float32, compile: bool = False,
-                          timeout: float = 1800.0) -> dict:
+                          dtype: torch.dtype = torch.float32, ep_mode: str = "replicated",
+                          dispatcher: str = "alltoall", compile: bool = False, timeout: float = 1800.0) -> dict:
     """:func:`train` on ``world_size`` spawned CPU processes over gloo, the experts split across them.
 
     Returns rank 0's result (every rank logs the same losses).
     """
     from ..distributed.launch import spawn
 
-    return spawn(_ep_worker, world_size, model_cfg, task, cfg, dtype, compile, backend="gloo",
-                 timeout=timeout)[0]
+    if ep_mode not in EP_MODES:
+        raise ValueError(f"ep_mode: expected one of {EP_MODES}, got {ep_mode!r}")
+    return spawn(_ep_worker, world_size, model_cfg, task, cfg, dtype, ep_mode, dispatcher, compile,
+                 backend="gloo", timeout=timeout)[0]
 
 
 def demo_setup(quick: bool = False, steps: int | None = None, seed: int = 0) -> tuple[RecallTask, LMConfig,
