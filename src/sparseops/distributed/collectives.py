@@ -90,26 +90,30 @@ def _exchange_sizes(n: int, group: Group, device) -> list[int]:
     return [int(t.item()) for t in out]
 
 
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sizes, group):
+def _own_rows(x: torch.Tensor, sizes: list[int], group: Group) -> torch.Tensor:
+    """This rank's block of rows, a copy."""
+    _, rank = group_size_rank(group)
+    return x.narrow(0, sum(sizes[:rank]), sizes[rank]).clone()
+
+
+def _rows_function(name: str, forward, backward) -> type:
+    """An autograd function of ``(x, sizes, group)``: ``forward(x, sizes, group)`` and, for the gradient of
+    its output, ``backward(grad, sizes, group)``."""
+
+    def fwd(ctx, x, sizes, group):
         ctx.sizes, ctx.group = sizes, group
-        return _all_gather(x, sizes, group)
+        return forward(x, sizes, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.sizes, ctx.group), None, None
+    def bwd(ctx, grad):
+        return backward(grad.contiguous(), ctx.sizes, ctx.group), None, None
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sizes, group):
-        ctx.sizes, ctx.group = sizes, group
-        return _reduce_scatter(x, sizes, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad.contiguous(), ctx.sizes, ctx.group), None, None
+_AllGather = _rows_function("_AllGather", _all_gather, _reduce_scatter)
+_ReduceScatter = _rows_function("_ReduceScatter", _reduce_scatter, _all_gather)
+_SplitRows = _rows_function("_SplitRows", _own_rows, _all_gather)
+_GatherRows = _rows_function("_GatherRows", _all_gather, _own_rows)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -122,30 +126,6 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         out_sizes, in_sizes = ctx.sizes
         return _a2a(grad, in_sizes, out_sizes, ctx.group), None, None, None
-
-
-class _SplitRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sizes, group):
-        ctx.sizes, ctx.group = sizes, group
-        _, rank = group_size_rank(group)
-        return x.narrow(0, sum(sizes[:rank]), sizes[rank]).clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad.contiguous(), ctx.sizes, ctx.group), None, None
-
-
-class _GatherRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sizes, group):
-        ctx.sizes, ctx.group = sizes, group
-        return _all_gather(x, sizes, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        _, rank = group_size_rank(ctx.group)
-        return grad.narrow(0, sum(ctx.sizes[:rank]), ctx.sizes[rank]).contiguous(), None, None
 
 
 def _check_x(x) -> torch.Tensor:
