@@ -40,6 +40,7 @@ def test_quick_run_schema_and_ep(tmp_path, capsys):
     assert r["ep"]["max_abs_loss_diff"] == 0.0 and r["ep"]["bitwise_steps"] == steps
     assert len(r["ep"]["loss"]) == steps and r["ep"]["recall"] == r["nsa"]["recall"]
     assert r["config"]["chance"] == pytest.approx(1 / r["config"]["task"]["num_values"])
+    assert r["config"]["threads"] == 1
     assert _is_float(r["seconds"]) and r["seconds"] > 0
     out = capsys.readouterr().out
     assert "nsa" in out and "window_only" in out and "EP = 2 (replicated, alltoall)" in out and "wall time" in out
@@ -48,8 +49,9 @@ def test_quick_run_schema_and_ep(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, match", [(("--steps", "0"), "--steps"), (("--ep", "3"), "--ep"),
+                                         (("--threads", "0"), "--threads"),
                                          (("--ep-mode", "model"), None), (("--dispatcher", "ring"), None)],
-                         ids=["no-steps", "ep-not-dividing", "bad-ep-mode", "bad-dispatcher"])
+                         ids=["no-steps", "ep-not-dividing", "no-threads", "bad-ep-mode", "bad-dispatcher"])
 def test_bad_arguments_write_nothing(tmp_path, argv, match):
     if match is None:  # argparse's choices reject it (exit status 2) before anything runs
         with pytest.raises(SystemExit) as exc:

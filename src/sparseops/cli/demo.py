@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dispatcher", choices=("alltoall", "allgather"), default="alltoall",
                         help="the MoE layers' token dispatcher under EP (alltoall keeps the one-process arithmetic)")
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    parser.add_argument("--threads", type=int, default=1, metavar="N",
+                        help="torch threads of every training process, the one-process runs and each EP rank "
+                             "alike (MKL rounds some small GEMMs differently at another thread count)")
     parser.add_argument("--compile", action="store_true", help="run the models under torch.compile")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", metavar="DIR", default=None,
@@ -123,17 +126,49 @@ def _table(result: dict) -> str:
     return "\n".join(rows)
 
 
+def _train_all(args, task, model_cfg, train_cfg, ep: int, exact: bool, dtype, device) -> tuple[dict, dict | None]:
+    """The NSA and window-only runs, then the EP rerun compared with the NSA run: ``(runs, ep_result)``."""
+    import torch
+
+    from ..models.train import train, train_expert_parallel
+
+    runs = {}
+    for key, cfg in (("nsa", model_cfg), ("window_only", model_cfg.replace(window_only=True))):
+        on_step, close = _progress(key, train_cfg.steps)
+        try:
+            runs[key] = train(cfg, task, train_cfg, dtype=dtype, device=device, compile=args.compile,
+                              on_step=on_step)
+        finally:
+            close()
+    if ep < 2:
+        return runs, None
+    reference = runs["nsa"]
+    if device != "cpu":  # the EP run is on the CPU: compare it with a CPU run
+        reference = train(model_cfg, task, train_cfg, dtype=dtype, compile=args.compile)
+    t0 = time.perf_counter()
+    r = train_expert_parallel(model_cfg, task, train_cfg, ep, dtype=dtype, ep_mode=args.ep_mode,
+                              dispatcher=args.dispatcher, compile=args.compile, threads=args.threads)
+    a, b = torch.tensor(reference["loss"], dtype=torch.float64), torch.tensor(r["loss"], dtype=torch.float64)
+    rel = (a - b).abs() / a.abs()
+    check = len(rel) if exact else min(EP_CHECK_STEPS, len(rel))
+    return runs, {"world_size": ep, "mode": args.ep_mode, "dispatcher": args.dispatcher,
+                  "max_abs_loss_diff": float((a - b).abs().max()), "max_rel_loss_diff": float(rel.max()),
+                  "bitwise_steps": int((a == b).sum()), "check_steps": check,
+                  "max_rel_loss_diff_checked": float(rel[:check].max()), "loss": r["loss"],
+                  "recall": r["recall"], "seconds": time.perf_counter() - t0}
+
+
 def run(args: argparse.Namespace) -> int:
     import dataclasses
 
     import torch
 
-    from ..models.train import demo_setup, train, train_expert_parallel
+    from ..models.train import demo_setup
 
-    for name in ("steps", "ep"):
+    for name, lo in (("steps", 1), ("ep", 0), ("threads", 1)):
         v = getattr(args, name)
-        if v is not None and v < (1 if name == "steps" else 0):
-            raise SystemExit(f"sparseops demo: --{name}: expected an int >= {1 if name == 'steps' else 0}, got {v}")
+        if v is not None and v < lo:
+            raise SystemExit(f"sparseops demo: --{name}: expected an int >= {lo}, got {v}")
     task, model_cfg, train_cfg = demo_setup(quick=args.quick, steps=args.steps, seed=args.seed)
     ep = args.ep if args.ep is not None else (0 if args.quick else 2)
     if ep >= 2 and model_cfg.num_experts % ep:
@@ -150,35 +185,17 @@ def run(args: argparse.Namespace) -> int:
           f"{args.dtype} on {device}" + (", torch.compile" if args.compile else "")
           + (f"; then EP = {ep} over gloo ({args.ep_mode}, {args.dispatcher})" if ep >= 2 else ""), flush=True)
     start = time.perf_counter()
-    runs = {}
-    for key, cfg in (("nsa", model_cfg), ("window_only", model_cfg.replace(window_only=True))):
-        on_step, close = _progress(key, train_cfg.steps)
-        try:
-            runs[key] = train(cfg, task, train_cfg, dtype=dtype, device=device, compile=args.compile,
-                              on_step=on_step)
-        finally:
-            close()
-    ep_result = None
-    if ep >= 2:
-        reference = runs["nsa"]
-        if device != "cpu":  # the EP run is on the CPU: compare it with a CPU run
-            reference = train(model_cfg, task, train_cfg, dtype=dtype, compile=args.compile)
-        t0 = time.perf_counter()
-        r = train_expert_parallel(model_cfg, task, train_cfg, ep, dtype=dtype, ep_mode=args.ep_mode,
-                                  dispatcher=args.dispatcher, compile=args.compile)
-        a, b = torch.tensor(reference["loss"], dtype=torch.float64), torch.tensor(r["loss"], dtype=torch.float64)
-        rel = (a - b).abs() / a.abs()
-        check = len(rel) if exact else min(EP_CHECK_STEPS, len(rel))
-        ep_result = {"world_size": ep, "mode": args.ep_mode, "dispatcher": args.dispatcher,
-                     "max_abs_loss_diff": float((a - b).abs().max()), "max_rel_loss_diff": float(rel.max()),
-                     "bitwise_steps": int((a == b).sum()), "check_steps": check,
-                     "max_rel_loss_diff_checked": float(rel[:check].max()), "loss": r["loss"],
-                     "recall": r["recall"], "seconds": time.perf_counter() - t0}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        runs, ep_result = _train_all(args, task, model_cfg, train_cfg, ep, exact, dtype, device)
+    finally:
+        torch.set_num_threads(previous)
     result = {
         "nsa": runs["nsa"], "window_only": runs["window_only"], "ep": ep_result,
         "seconds": time.perf_counter() - start,
         "config": {"chance": task.chance, "dtype": args.dtype, "device": device, "compile": args.compile,
-                   "quick": args.quick, "threads": torch.get_num_threads(), "torch": torch.__version__,
+                   "quick": args.quick, "threads": args.threads, "torch": torch.__version__,
                    "task": dataclasses.asdict(task), "model": dataclasses.asdict(model_cfg),
                    "train": dataclasses.asdict(train_cfg)},
     }

@@ -198,17 +198,20 @@ def _ep_worker(rank: int, world_size: int, model_cfg: LMConfig, task: RecallTask
 
 def train_expert_parallel(model_cfg: LMConfig, task: RecallTask, cfg: TrainConfig, world_size: int, *,
                           dtype: torch.dtype = torch.float32, ep_mode: str = "replicated",
-                          dispatcher: str = "alltoall", compile: bool = False, timeout: float = 1800.0) -> dict:
+                          dispatcher: str = "alltoall", compile: bool = False, threads: int | None = 1,
+                          timeout: float = 1800.0) -> dict:
     """:func:`train` on ``world_size`` spawned CPU processes over gloo, the experts split across them.
 
-    Returns rank 0's result (every rank logs the same losses).
+    ``threads``: ``torch.set_num_threads`` in each process (None: torch's default). Compare with a one-process
+    run at the same thread count: MKL rounds a few small GEMM shapes differently with another number of
+    threads (docs/demo.md). Returns rank 0's result (every rank logs the same losses).
     """
     from ..distributed.launch import spawn
 
     if ep_mode not in EP_MODES:
         raise ValueError(f"ep_mode: expected one of {EP_MODES}, got {ep_mode!r}")
     return spawn(_ep_worker, world_size, model_cfg, task, cfg, dtype, ep_mode, dispatcher, compile,
-                 backend="gloo", timeout=timeout)[0]
+                 backend="gloo", timeout=timeout, threads=threads)[0]
 
 
 def demo_setup(quick: bool = False, steps: int | None = None, seed: int = 0) -> tuple[RecallTask, LMConfig,
