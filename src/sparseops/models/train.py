@@ -104,7 +104,8 @@ def train(model_cfg: LMConfig, task: RecallTask, cfg: TrainConfig, *, dtype: tor
         dtype: of the parameters and activations (float32 or float64).
         device: where to run (None: the CPU).
         ep_group: run expert-parallel over this group (each rank calls ``train``), or None.
-        compile: run the model under ``torch.compile``.
+        compile: run the model under ``torch.compile`` (the MoE layers eager inside it; recall on the eager model;
+            docs/demo.md, "`--compile`").
         on_step: called as ``on_step(step, loss, tokens_per_second)`` after each step (rank 0 under EP).
 
     Returns:
