@@ -19,7 +19,7 @@ and is undone on exit even when the block raises. Unknown knob names raise ``Typ
 
 Under ``torch.compile`` dynamo cannot trace a ``ContextVar`` read (a graph break at every ``get()``): there
 ``get()`` reads the knobs when the graph is traced and the graph keeps them as constants, so an override entered
-after a function was compiled reaches it only after ``torch._dynamo.reset()``.
+after a function was compiled reaches it only after ``torch.compiler.reset()``.
 """
 
 from __future__ import annotations
