@@ -69,18 +69,23 @@ class Block(nn.Module):
     def forward(self, h: torch.Tensor, cu_seqlens) -> tuple[torch.Tensor, torch.Tensor | None]:
         h = h + self.attn(self.attn_norm(h), cu_seqlens)
         if isinstance(self.ffn, MoELayer):
-            y, loss = _moe_eager(self.ffn, self.ffn_norm(h))
+            moe = _moe_eager if torch.compiler.is_compiling() else _moe
+            y, loss = moe(self.ffn, self.ffn_norm(h))
             return h + y, loss
         return h + self.ffn(self.ffn_norm(h)), None
 
 
-@torch._disable_dynamo  # torch.compiler.disable, importing torch._dynamo (a second) on the first call only
+def _moe(ffn: MoELayer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    y, aux = ffn(x)
+    return y, aux.loss
+
+
+@torch._disable_dynamo  # torch.compiler.disable, importing torch._dynamo (a second) at the first call, not here
 def _moe_eager(ffn: MoELayer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The MoE layer, eager also inside ``torch.compile``: its forward syncs with the host once (the routing
     statistics) and sizes the dispatch and the per-expert GEMMs by those numbers, which would graph-break there
     and recompile whenever the per-expert counts change (docs/demo.md, "`--compile`")."""
-    y, aux = ffn(x)
-    return y, aux.loss
+    return _moe(ffn, x)
 
 
 class CausalLM(nn.Module):
