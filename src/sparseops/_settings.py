@@ -16,6 +16,10 @@ values for a block of code::
 
 The values live in a ``ContextVar``, so an override is local to its thread (and to its ``asyncio`` task)
 and is undone on exit even when the block raises. Unknown knob names raise ``TypeError``.
+
+Under ``torch.compile`` dynamo cannot trace a ``ContextVar`` read (a graph break at every ``get()``): there
+``get()`` reads the knobs when the graph is traced and the graph keeps them as constants, so an override entered
+after a function was compiled reaches it only after ``torch.compiler.reset()``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,15 @@ from typing import Generic, TypeVar
 S = TypeVar("S")
 
 
+def _read(var: contextvars.ContextVar):
+    return var.get()
+
+
+# what torch.compiler.assume_constant_result sets, without importing torch._dynamo (seconds) at import time:
+# dynamo calls _read when it traces and keeps the result as a constant
+_read._dynamo_marked_constant = True
+
+
 class Settings(Generic[S]):
     """A holder of one frozen dataclass of knobs: ``get()`` reads it, ``override(**changes)`` swaps it."""
 
@@ -40,8 +53,8 @@ class Settings(Generic[S]):
             name or type(default).__name__, default=default)
 
     def get(self) -> S:
-        """The settings in force in this context."""
-        return self._var.get()
+        """The settings in force in this context (under ``torch.compile``: when the graph is traced)."""
+        return _read(self._var)
 
     @property
     def default(self) -> S:

@@ -70,10 +70,24 @@ class Block(nn.Module):
 
     def forward(self, h: torch.Tensor, cu_seqlens) -> tuple[torch.Tensor, torch.Tensor | None]:
         h = h + self.attn(self.attn_norm(h), cu_seqlens)
-        out = self.ffn(self.ffn_norm(h))
-        if isinstance(out, tuple):
-            return h + out[0], out[1].loss
-        return h + out, None
+        if isinstance(self.ffn, MoELayer):
+            moe = _moe_eager if torch.compiler.is_compiling() else _moe
+            y, loss = moe(self.ffn, self.ffn_norm(h))
+            return h + y, loss
+        return h + self.ffn(self.ffn_norm(h)), None
+
+
+def _moe(ffn: MoELayer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    y, aux = ffn(x)
+    return y, aux.loss
+
+
+@torch._disable_dynamo  # torch.compiler.disable, importing torch._dynamo (a second) at the first call, not here
+def _moe_eager(ffn: MoELayer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE layer, eager also inside ``torch.compile``: its forward syncs with the host once (the routing
+    statistics) and sizes the dispatch and the per-expert GEMMs by those numbers, which would graph-break there
+    and recompile whenever the per-expert counts change (docs/demo.md, "`--compile`")."""
+    return _moe(ffn, x)
 
 
 class CausalLM(nn.Module):

@@ -117,7 +117,7 @@ def recall(model: CausalLM, task: RecallTask, cfg: TrainConfig, device, group=No
     hits = torch.zeros(2, dtype=torch.float64)
     for _ in range(max(1, cfg.eval_sequences // cfg.eval_batch)):
         tokens, targets, cu = _shard(task.sample(cfg.eval_batch, gen), rank, world, task.seq_len)
-        logits, _ = model(tokens.to(device), cu.to(device))
+        logits, _ = model(tokens.to(device), cu.tolist())
         asked = targets != IGNORE_INDEX
         hits[0] += (logits.argmax(-1).cpu()[asked] == targets[asked]).sum().item()
         hits[1] += asked.sum().item()
@@ -140,7 +140,8 @@ def train(model_cfg: LMConfig, task: RecallTask, cfg: TrainConfig, *, dtype: tor
         ep_mode: one of :data:`EP_MODES` (see the module docstring); ignored without ``ep_group``.
         dispatcher: of the MoE layers under EP (:class:`sparseops.models.CausalLM`); ``"alltoall"`` keeps the
             one-process arithmetic.
-        compile: run the model under ``torch.compile``.
+        compile: run the model under ``torch.compile`` (the MoE layers eager inside it; recall on the eager model;
+            docs/demo.md, "`--compile`").
         on_step: called as ``on_step(step, loss, tokens_per_second)`` after each step (rank 0 under EP).
 
     Returns:
@@ -166,7 +167,7 @@ def train(model_cfg: LMConfig, task: RecallTask, cfg: TrainConfig, *, dtype: tor
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         tokens, targets, cu = _shard(task.sample(cfg.batch_size, gen), rank, world, task.seq_len)
-        logits, aux = run(tokens.to(device), cu.to(device))
+        logits, aux = run(tokens.to(device), cu.tolist())
         ce = F.cross_entropy(logits, targets.to(device), ignore_index=IGNORE_INDEX, reduction="sum") / n_targets
         opt.zero_grad(set_to_none=False)
         (ce + aux).backward()
@@ -186,7 +187,7 @@ def train(model_cfg: LMConfig, task: RecallTask, cfg: TrainConfig, *, dtype: tor
             elapsed = time.perf_counter() - start
             on_step(step, losses[-1], (step + 1) * cfg.batch_size * task.seq_len / elapsed)
     seconds = time.perf_counter() - start
-    return {"loss": losses, "recall": recall(run, task, cfg, device, dp_group), "seconds": seconds,
+    return {"loss": losses, "recall": recall(model, task, cfg, device, dp_group), "seconds": seconds,
             "tokens_per_second": cfg.steps * cfg.batch_size * task.seq_len / seconds}
 
 
