@@ -128,6 +128,15 @@ class _AllToAll(torch.autograd.Function):
         return _a2a(grad, in_sizes, out_sizes, ctx.group), None, None, None
 
 
+def _gathered_sizes(x: torch.Tensor, group: Group, sizes) -> list[int]:
+    """The row counts of a gather: checked, or exchanged when None; this rank's must be x's."""
+    ws, rank = group_size_rank(group)
+    sizes = _exchange_sizes(x.shape[0], group, x.device) if sizes is None else _check_sizes("sizes", sizes, ws)
+    if sizes[rank] != x.shape[0]:
+        raise ValueError(f"sizes: expected sizes[{rank}] = x.shape[0] = {x.shape[0]} on rank {rank}, got {sizes[rank]}")
+    return sizes
+
+
 def _check_x(x) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
@@ -150,11 +159,7 @@ def all_gather(x: torch.Tensor, group: Group = None, sizes: Sequence[int] | None
         summed over ranks and scattered back (:func:`reduce_scatter`), so ``x_r.grad = sum_q grad_q[rows of r]``.
     """
     x = _check_x(x)
-    ws, rank = group_size_rank(group)
-    sizes = _exchange_sizes(x.shape[0], group, x.device) if sizes is None else _check_sizes("sizes", sizes, ws)
-    if sizes[rank] != x.shape[0]:
-        raise ValueError(f"sizes: expected sizes[{rank}] = x.shape[0] = {x.shape[0]} on rank {rank}, got {sizes[rank]}")
-    return _AllGather.apply(x, sizes, group)
+    return _AllGather.apply(x, _gathered_sizes(x, group, sizes), group)
 
 
 def reduce_scatter(x: torch.Tensor, group: Group = None, sizes: Sequence[int] | None = None) -> torch.Tensor:
@@ -252,8 +257,4 @@ def gather_rows(x: torch.Tensor, group: Group = None, sizes: Sequence[int] | Non
         `[sum(sizes), ...]`. Backward: rows ``[sum(sizes[:r]), sum(sizes[:r+1]))`` of the gradient.
     """
     x = _check_x(x)
-    ws, rank = group_size_rank(group)
-    sizes = _exchange_sizes(x.shape[0], group, x.device) if sizes is None else _check_sizes("sizes", sizes, ws)
-    if sizes[rank] != x.shape[0]:
-        raise ValueError(f"sizes: expected sizes[{rank}] = x.shape[0] = {x.shape[0]} on rank {rank}, got {sizes[rank]}")
-    return _GatherRows.apply(x, sizes, group)
+    return _GatherRows.apply(x, _gathered_sizes(x, group, sizes), group)
