@@ -58,7 +58,8 @@ def test_grad_norm_sq_orders_terms_by_expert():
                                sum(p.grad.double().pow(2).sum() for p in rep + exp), rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("kw, match", [({"ep_mode": "tensor"}, "ep_mode: expected one of")])
+@pytest.mark.parametrize("kw, match", [({"ep_mode": "tensor"}, "ep_mode: expected one of"),
+                                       ({"dispatcher": "ring"}, "dispatcher: expected one of")])
 def test_bad_ep_mode(kw, match):
     task, model_cfg, cfg = demo_setup(quick=True, steps=1)
     with pytest.raises(ValueError, match=match):

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..distributed.dispatchers import DISPATCHERS
 from .lm import CausalLM, LMConfig, expert_parameter, load_full_state
 from .recall import IGNORE_INDEX, RecallTask
 
@@ -87,6 +88,13 @@ def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(t, group=group)
     return t
+
+
+def _check_ep_args(ep_mode: str, dispatcher: str) -> None:
+    if ep_mode not in EP_MODES:
+        raise ValueError(f"ep_mode: expected one of {EP_MODES}, got {ep_mode!r}")
+    if dispatcher not in DISPATCHERS:
+        raise ValueError(f"dispatcher: expected one of {DISPATCHERS}, got {dispatcher!r}")
 
 
 def grad_norm_sq(replicated: list[torch.Tensor], experts: list[torch.Tensor], group=None) -> torch.Tensor:
@@ -147,8 +155,7 @@ def train(model_cfg: LMConfig, task: RecallTask, cfg: TrainConfig, *, dtype: tor
     Returns:
         ``{"loss": [float per step], "recall": float, "seconds": float, "tokens_per_second": float}``.
     """
-    if ep_mode not in EP_MODES:
-        raise ValueError(f"ep_mode: expected one of {EP_MODES}, got {ep_mode!r}")
+    _check_ep_args(ep_mode, dispatcher)
     device = torch.device("cpu") if device is None else torch.device(device)
     # the group over which the ranks split the batch: none when every rank runs it whole
     dp_group = ep_group if ep_mode == "data" else None
@@ -209,8 +216,7 @@ def train_expert_parallel(model_cfg: LMConfig, task: RecallTask, cfg: TrainConfi
     """
     from ..distributed.launch import spawn
 
-    if ep_mode not in EP_MODES:
-        raise ValueError(f"ep_mode: expected one of {EP_MODES}, got {ep_mode!r}")
+    _check_ep_args(ep_mode, dispatcher)
     return spawn(_ep_worker, world_size, model_cfg, task, cfg, dtype, ep_mode, dispatcher, compile,
                  backend="gloo", timeout=timeout, threads=threads)[0]
 
