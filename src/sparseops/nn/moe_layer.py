@@ -169,41 +169,41 @@ class MoELayer(nn.Module):
             raise TypeError(f"x: expected dtype {self.experts.w1.dtype} (the experts' weights), got {x.dtype}")
         if not self._group_checked:
             self._check_group(x.device)
-        if self.replicated_tokens and self.ep_size > 1:
-            return self._forward_replicated(x, x2)
         E, K, T = self.num_experts, self.top_k, x2.shape[0]
         logits, scores, indices, probs, routed = self.router.route(x2)
         psum, zsum = self.router.loss_terms(logits, scores)
         if self.capacity_factor is not None:
             indices = drop_to_sink(indices, probs, E, capacity(self.capacity_factor, T, K, E), self.drop_policy)
+        dispatch = self._dispatch_replicated if self.replicated_tokens and self.ep_size > 1 else self._dispatch
+        y, loss, plan, routed_slots = dispatch(x2, indices, probs, routed, psum, zsum)
+        if self.shared is not None:
+            y = y + self.shared(x2)
+        kept_g = torch.tensor(plan.group_counts(), dtype=torch.int64, device=x.device)
+        dropped = int(round(routed_slots)) - int(sum(plan.group_counts()))
+        return y.view(x.shape), MoEAux(loss, kept_g, dropped)
+
+    def _dispatch(self, x2, indices, probs, routed, psum, zsum):
+        """Each rank's own tokens: ``(y, loss, plan, the group's routed slots)``."""
+        E, T = self.num_experts, x2.shape[0]
         kept = torch.bincount(indices.reshape(-1), minlength=E + 1)[:E]
         st = gather_stats(self.ep_group, [T], routed, kept, psum.detach(), zsum.detach())  # the one host sync
-        T_g = int(st.total(0))
-        routed_g = st.sum_tensor(1, x.device)
-        loss = self.router.losses(psum, zsum, T_g, routed_g, st.sum_tensor(3, x.device), st.total(4))
+        loss = self.router.losses(psum, zsum, int(st.total(0)), st.sum_tensor(1, x2.device),
+                                  st.sum_tensor(3, x2.device), st.total(4))
         plan = Plan(tokens=[int(p[0]) for p in st.piece(0)], kept=st.ints(2), rank=self.ep_rank,
                     world_size=self.ep_size)
         name = "local" if self.ep_size == 1 else self.dispatcher
         y = DISPATCH[name](x2, indices, probs, plan, self.experts.apply_counts, self.ep_group, self.backend)
-        if self.shared is not None:
-            y = y + self.shared(x2)
-        kept_g = torch.tensor(plan.group_counts(), dtype=torch.int64, device=x.device)
-        dropped = int(round(sum(sum(p) for p in st.piece(1)))) - int(sum(plan.group_counts()))
-        return y.view(x.shape), MoEAux(loss, kept_g, dropped)
+        return y, loss, plan, sum(sum(p) for p in st.piece(1))
 
-    def _forward_replicated(self, x: torch.Tensor, x2: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
-        """``replicated_tokens``: route all tokens, dispatch this rank's block, gather the outputs back."""
+    def _dispatch_replicated(self, x2, indices, probs, routed, psum, zsum):
+        """``replicated_tokens``: dispatch this rank's block of the (same) tokens, gather the outputs back."""
         E, K, T, ws, r = self.num_experts, self.top_k, x2.shape[0], self.ep_size, self.ep_rank
-        logits, scores, indices, probs, routed = self.router.route(x2)
-        psum, zsum = self.router.loss_terms(logits, scores)
-        if self.capacity_factor is not None:
-            indices = drop_to_sink(indices, probs, E, capacity(self.capacity_factor, T, K, E), self.drop_policy)
+        dev = x2.device
         sizes = even_sizes(T, ws)
-        block = torch.repeat_interleave(torch.arange(ws, device=x.device),
-                                        torch.tensor(sizes, device=x.device), output_size=T)
+        block = torch.repeat_interleave(torch.arange(ws, device=dev), torch.tensor(sizes, device=dev), output_size=T)
         kept = torch.bincount((block[:, None] * (E + 1) + indices).reshape(-1), minlength=ws * (E + 1))
         kept = kept.view(ws, E + 1)[:, :E]
-        weights = torch.arange(1, T * K + 1, dtype=torch.float64, device=x.device).view(T, K)
+        weights = torch.arange(1, T * K + 1, dtype=torch.float64, device=dev).view(T, K)
         checksum = (indices.to(torch.float64) * weights).sum().reshape(1)  # the same on every rank, or a bug
         st = gather_stats(self.ep_group, [T], routed, kept, psum.detach(), zsum.detach(), checksum)
         for q in range(ws):  # one host sync, as in the per-rank mode; every rank sees the same rows
@@ -212,17 +212,11 @@ class MoELayer(nn.Module):
                     raise ValueError(f"x: expected the same tokens on every rank of ep_group (replicated_tokens="
                                      f"True), got a different {name} on rank {q} than on rank {r}")
         own = st.row(r)
-        loss = self.router.losses(psum, zsum, T, own.sum_tensor(1, x.device), own.sum_tensor(3, x.device),
-                                  own.total(4))
+        loss = self.router.losses(psum, zsum, T, own.sum_tensor(1, dev), own.sum_tensor(3, dev), own.total(4))
         kept_rows = own.ints(2)[0]
         plan = Plan(tokens=sizes, kept=[kept_rows[q * E:(q + 1) * E] for q in range(ws)], rank=r, world_size=ws)
         lo = sum(sizes[:r])
         y = DISPATCH[self.dispatcher](split_rows(x2, self.ep_group, sizes), indices[lo:lo + sizes[r]],
                                       split_rows(probs, self.ep_group, sizes), plan, self.experts.apply_counts,
                                       self.ep_group, self.backend)
-        y = gather_rows(y, self.ep_group, sizes)
-        if self.shared is not None:
-            y = y + self.shared(x2)
-        kept_g = torch.tensor(plan.group_counts(), dtype=torch.int64, device=x.device)
-        dropped = int(round(sum(own.piece(1)[0]))) - int(sum(plan.group_counts()))
-        return y.view(x.shape), MoEAux(loss, kept_g, dropped)
+        return gather_rows(y, self.ep_group, sizes), loss, plan, sum(own.piece(1)[0])
