@@ -135,3 +135,12 @@ def _check(res, sizes):
         assert sum(e) == n and max(e) - min(e) <= 1
         assert out["split-even"] == list(range(sum(e[:r]), sum(e[:r + 1])))
         assert len(out["split-bad"]) == 2 and all("sizes: expected" in m for m in out["split-bad"])
+
+
+@pytest.mark.parametrize("args, err, match", [((-1, 2), ValueError, "n: expected >= 0"),
+                                              ((4, 0), ValueError, "world_size: expected >= 1"),
+                                              ((4.0, 2), TypeError, "n: expected an int")])
+def test_even_sizes(args, err, match):
+    assert even_sizes(7, 3) == [2, 2, 3] and even_sizes(0, 2) == [0, 0] and even_sizes(1, 3) == [0, 0, 1]
+    with pytest.raises(err, match=match):
+        even_sizes(*args)

@@ -43,7 +43,8 @@ def test_spawn_times_out_instead_of_hanging():
 
 
 @pytest.mark.parametrize("kw, match", [({"world_size": 0}, "world_size"), ({"backend": "mpi"}, "backend"),
-                                       ({"timeout": 0}, "timeout")])
+                                       ({"timeout": 0}, "timeout"), ({"threads": 0}, "threads"),
+                                       ({"threads": 1.5}, "threads")])
 def test_spawn_bad_arguments(kw, match):
     args = {"world_size": 2, "backend": "gloo", "timeout": 10.0} | kw
     with pytest.raises(ValueError, match=match):

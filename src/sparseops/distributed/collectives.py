@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .._checks import check_int
+
 #: a process group, None meaning the default group (a forward reference: importable without c10d support)
 Group = Optional["dist.ProcessGroup"]
 
@@ -212,6 +214,8 @@ def all_to_all(x: torch.Tensor, output_split_sizes: Sequence[int], input_split_s
 
 def even_sizes(n: int, world_size: int) -> list[int]:
     """``n`` rows split into ``world_size`` consecutive blocks as evenly as possible (the first ones smaller)."""
+    n = check_int("n", n, lo=0)
+    world_size = check_int("world_size", world_size, lo=1)
     return [(q + 1) * n // world_size - q * n // world_size for q in range(world_size)]
 
 

@@ -85,7 +85,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo",
     Raises:
         SpawnError: a rank raised (the message has the first failing rank's traceback), a process died
             without a result, or the run took longer than ``timeout`` (every process is then terminated).
-        ValueError: a bad ``world_size``, ``backend`` or ``timeout``.
+        ValueError: a bad ``world_size``, ``backend``, ``timeout`` or ``threads``.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size: expected an int >= 1, got {world_size!r}")
@@ -93,6 +93,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo",
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads: expected None or an int >= 1, got {threads!r}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
