@@ -37,7 +37,7 @@ def _read(var: contextvars.ContextVar):
     return var.get()
 
 
-# what torch.compiler.assume_constant_result sets, without importing torch._dynamo (seconds) at import time:
+# what torch.compiler.assume_constant_result sets, without importing torch._dynamo (slow) at import time:
 # dynamo calls _read when it traces and keeps the result as a constant
 _read._dynamo_marked_constant = True
 

@@ -82,7 +82,7 @@ def _moe(ffn: MoELayer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return y, aux.loss
 
 
-@torch._disable_dynamo  # torch.compiler.disable, importing torch._dynamo (a second) at the first call, not here
+@torch._disable_dynamo  # torch.compiler.disable, which imports torch._dynamo at the first call, not at import
 def _moe_eager(ffn: MoELayer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The MoE layer, eager also inside ``torch.compile``: its forward syncs with the host once (the routing
     statistics) and sizes the dispatch and the per-expert GEMMs by those numbers, which would graph-break there
