@@ -14,7 +14,7 @@ import importlib
 import sys
 
 #: the subcommands, in the order ``sparseops --help`` lists them (modules of this package)
-SUBCOMMANDS = ("info", "check", "bench", "fit", "demo")
+SUBCOMMANDS = ("info", "check", "bench", "fit", "demo", "train")
 
 PROG = "sparseops"
 

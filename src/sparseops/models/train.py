@@ -51,10 +51,16 @@ class TrainConfig:
     eval_batch: int = 64
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """``lr * min(1, (step+1)/warmup) * (1 + cos(pi * step / steps)) / 2``."""
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """``min(1, (step+1)/warmup) * (1 + cos(pi * step / steps)) / 2``: the schedule's multiple of ``lr`` (the
+    ``LambdaLR`` factor of ``sparseops train``)."""
     warm = min(1.0, (step + 1) / max(cfg.warmup, 1))
-    return cfg.lr * warm * 0.5 * (1.0 + math.cos(math.pi * step / cfg.steps))
+    return warm * 0.5 * (1.0 + math.cos(math.pi * step / cfg.steps))
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """``lr * lr_factor(step, cfg)``, rounded as ``LambdaLR`` rounds it."""
+    return cfg.lr * lr_factor(step, cfg)
 
 
 #: the expert-parallel modes of :func:`train` (see the module docstring)

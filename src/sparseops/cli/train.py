@@ -1,0 +1,274 @@
+"""Train the NSA + MoE language model of sparseops.models on the associative-recall task (the default) or on a
+token file, in one process or under torchrun, with DCP checkpoints, resume at any layout and faults that end
+in a message (docs/training.md, "sparseops train").
+
+  torchrun --nproc-per-node 4 -m sparseops train --dp-shard 4 --ep 2 --save ckpt --save-every 100
+  torchrun --nproc-per-node 2 -m sparseops train --resume ckpt --save ckpt      # any layout
+
+Without torchrun it runs in one process. Every flag left out takes the value of `sparseops demo`'s full run.
+Exit status: 0 done; 1 the run stopped (a non-finite loss or gradient, a collective that failed or timed out:
+the message names the step); 2 bad flags or input (checked before any collective)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+HELP = "train the NSA + MoE LM under torchrun (or in one process): layouts, DCP checkpoints, resume, faults"
+
+#: LMConfig fields that are not flags (the vocabulary comes from the data; the ablation is the demo's)
+_NOT_FLAGS = ("vocab_size", "window_only")
+
+#: RecallTask fields as flags (``--recall-<name>``); seq_len is ``--seq-len``
+_RECALL = {"num_pairs": "pairs", "num_queries": "queries", "num_keys": "keys", "num_values": "values",
+           "num_filler": "filler", "pair_spacing": "pair-spacing"}
+
+#: TrainConfig fields and their flags
+_OPTIM = {"steps": "steps", "batch_size": "global-batch", "lr": "lr", "warmup": "warmup",
+          "weight_decay": "weight-decay", "clip": "clip", "seed": "seed", "eval_sequences": "eval-sequences"}
+
+
+#: LMConfig's size fields, written out so that ``sparseops --help`` does not import torch
+_MODEL_INT = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "dense_layers", "ffn_size",
+              "num_experts", "top_k", "expert_ffn_size", "compress_block_size", "compress_stride",
+              "select_block_size", "select_count", "window_size")
+_MODEL_FLOAT = ("aux_loss_coeff", "rope_theta")
+
+
+def _float_or_none(text: str):
+    return None if text.lower() == "none" else float(text)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=None, metavar="N", help="steps to train in all (a resumed run "
+                   "continues up to N)")
+    g.add_argument("--global-batch", type=int, default=None, metavar="B",
+                   help="sequences per step over all ranks (a multiple of the world size)")
+    g.add_argument("--seq-len", type=int, default=None, metavar="L", help="tokens per sequence")
+    g.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--lr", type=float, default=None, help="AdamW peak learning rate (linear warm-up, cosine to 0)")
+    g.add_argument("--warmup", type=int, default=None, metavar="N", help="warm-up steps")
+    g.add_argument("--weight-decay", type=float, default=None)
+    g.add_argument("--clip", type=float, default=None, help="global gradient-norm clip")
+    g.add_argument("--eval-sequences", type=int, default=None, metavar="N",
+                   help="held-out recall sequences evaluated at the end (0: none; the recall task only)")
+    g.add_argument("--threads", type=int, default=None, metavar="N", help="torch threads per process")
+    g.add_argument("--log-every", type=int, default=10, metavar="N", help="print the loss every N steps (0: never)")
+    g = parser.add_argument_group("data")
+    g.add_argument("--data", metavar="PATH", default=None,
+                   help="a flat file of token ids (next-token prediction); default: the recall task")
+    g.add_argument("--data-dtype", choices=("uint16", "uint32"), default="uint16")
+    g.add_argument("--vocab-size", type=int, default=None, help="with --data (default: the largest id + 1)")
+    for name, flag in _RECALL.items():
+        g.add_argument(f"--recall-{flag}", dest=f"recall_{name}", type=int, default=None, metavar="N",
+                       help=f"recall task: {name.replace('_', ' ')}")
+    g = parser.add_argument_group("model (default: the demo's)")
+    for name in _MODEL_INT:
+        g.add_argument(f"--{name.replace('_', '-')}", dest=f"model_{name}", type=int, default=None, metavar="N")
+    for name in _MODEL_FLOAT:
+        g.add_argument(f"--{name.replace('_', '-')}", dest=f"model_{name}", type=_float_or_none, default=None,
+                       metavar="X", help="'none' for no RoPE" if name == "rope_theta" else None)
+    g = parser.add_argument_group("layout (torchrun's world: dp_replicate * dp_shard ranks)")
+    g.add_argument("--dp-replicate", type=int, default=1, metavar="N", help="replicas (HSDP with --dp-shard)")
+    g.add_argument("--dp-shard", type=int, default=-1, metavar="N", help="FSDP ranks per replica (-1: the rest)")
+    g.add_argument("--ep", type=int, default=1, metavar="N", help="expert-parallel ranks (divides --dp-shard and E)")
+    g.add_argument("--ddp", action="store_true", help="replicate the dense parameters (DDP) instead of FSDP")
+    g = parser.add_argument_group("checkpoints and faults")
+    g.add_argument("--save", metavar="DIR", default=None, help="write DCP checkpoints DIR/step_<s>")
+    g.add_argument("--save-every", type=int, default=None, metavar="S", help="a checkpoint every S steps (and at "
+                   "the end)")
+    g.add_argument("--resume", metavar="DIR", default=None,
+                   help="resume from DIR's newest complete checkpoint, at any layout")
+    g.add_argument("--comm-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="every collective's timeout: a rank that stops responding ends the job after it")
+    g.add_argument("--json", metavar="PATH", default=None, help="write the losses and the layout here (rank 0)")
+
+
+class _Bad(ValueError):
+    """A flag or input that is rejected before any collective (exit status 2)."""
+
+
+def _check_int(args, name: str, lo: int) -> None:
+    v = getattr(args, name)
+    if v is not None and v < lo:
+        raise _Bad(f"--{name.replace('_', '-')}: expected an int >= {lo}, got {v}")
+
+
+def resolve_layout(world: int, dp_replicate: int, dp_shard: int, ep: int, num_experts: int, global_batch: int,
+                   data_parallel: str):
+    """The :class:`sparseops.training.loop.Layout` of the flags at this world size, or ``_Bad`` naming the flag."""
+    from ..training.loop import Layout
+
+    if dp_replicate < 1:
+        raise _Bad(f"--dp-replicate: expected an int >= 1, got {dp_replicate}")
+    if dp_shard == -1:
+        if world % dp_replicate:
+            raise _Bad(f"--dp-replicate: expected a divisor of the world size {world}, got {dp_replicate}")
+        dp_shard = world // dp_replicate
+    if dp_shard < 1:
+        raise _Bad(f"--dp-shard: expected -1 or an int >= 1, got {dp_shard}")
+    if dp_replicate * dp_shard != world:
+        raise _Bad(f"--dp-shard: expected --dp-replicate * --dp-shard = the world size {world} (torchrun's ranks), "
+                   f"got {dp_replicate} * {dp_shard} = {dp_replicate * dp_shard}")
+    if ep < 1:
+        raise _Bad(f"--ep: expected an int >= 1, got {ep}")
+    if dp_shard % ep:
+        raise _Bad(f"--ep: expected a divisor of --dp-shard = {dp_shard}, got {ep}")
+    if num_experts % ep:
+        raise _Bad(f"--ep: expected a divisor of --num-experts = {num_experts}, got {ep}")
+    if global_batch % world:
+        raise _Bad(f"--global-batch: expected a multiple of the world size {world}, got {global_batch}")
+    return Layout(dp_replicate, dp_shard, ep, data_parallel)
+
+
+def build_spec(args: argparse.Namespace, world: int):
+    """The :class:`~sparseops.training.loop.RunSpec` of the flags (the demo's settings where a flag is left out),
+    checked at this world size: ``_Bad`` names the flag."""
+    import torch
+
+    from ..models.recall import RecallTask
+    from ..models.train import demo_setup
+    from ..training import checkpoint
+    from ..training.loop import RunSpec
+
+    for name, lo in (("steps", 1), ("global_batch", 1), ("seq_len", 1), ("warmup", 0), ("eval_sequences", 0),
+                     ("threads", 1), ("log_every", 0), ("save_every", 1), ("vocab_size", 1)):
+        _check_int(args, name, lo)
+    if not args.comm_timeout > 0:
+        raise _Bad(f"--comm-timeout: expected a number of seconds > 0, got {args.comm_timeout}")
+    if args.lr is not None and not args.lr > 0:
+        raise _Bad(f"--lr: expected a number > 0, got {args.lr}")
+    if args.save_every is not None and args.save is None:
+        raise _Bad("--save-every: expected --save DIR with it, got no --save")
+    if args.vocab_size is not None and args.data is None:
+        raise _Bad("--vocab-size: expected --data PATH with it (the recall task sets its vocabulary)")
+    task, model, optim = demo_setup()
+    given = {k: getattr(args, f.replace("-", "_")) for k, f in _OPTIM.items()}
+    optim = dataclasses.replace(optim, **{k: v for k, v in given.items() if v is not None})
+    model = dataclasses.replace(model, **{n: getattr(args, f"model_{n}") for n in _MODEL_INT + _MODEL_FLOAT
+                                          if getattr(args, f"model_{n}") is not None})
+    layout = resolve_layout(world, args.dp_replicate, args.dp_shard, args.ep, model.num_experts, optim.batch_size,
+                            "ddp" if args.ddp else "fsdp")
+    seq_len = args.seq_len if args.seq_len is not None else task.seq_len
+    if args.data is None:
+        changes = {n: getattr(args, f"recall_{n}") for n in _RECALL if getattr(args, f"recall_{n}") is not None}
+        try:
+            task = RecallTask(**{**dataclasses.asdict(task), "seq_len": seq_len, **changes})
+        except ValueError as exc:
+            raise _Bad(f"the recall task (--seq-len, --recall-*): {exc}") from None
+        model = model.replace(vocab_size=task.vocab_size)
+        if optim.eval_sequences:
+            eval_batch = min(optim.eval_batch, optim.eval_sequences)
+            if eval_batch % world:
+                raise _Bad(f"--eval-sequences: expected evaluation batches of a multiple of the world size {world}, "
+                           f"got {eval_batch} (0 skips the evaluation)")
+            optim = dataclasses.replace(optim, eval_batch=eval_batch)
+    else:
+        task = None
+        model = model.replace(vocab_size=args.vocab_size or 0)
+    resume = None
+    if args.resume is not None:
+        try:
+            _, resume = checkpoint.newest_complete(args.resume)
+        except ValueError as exc:
+            raise _Bad(str(exc)) from None
+    return RunSpec(model=model, optim=optim, task=task, data_path=args.data, data_dtype=args.data_dtype,
+                   seq_len=seq_len, dtype=getattr(torch, args.dtype), layout=layout, save_dir=args.save,
+                   save_every=args.save_every, resume=resume, comm_timeout=args.comm_timeout,
+                   log_every=args.log_every)
+
+
+def config_argv(task, model, optim) -> list[str]:
+    """The flags that make ``sparseops train`` run exactly ``(task, model, optim)`` (the demo's EP rerun)."""
+    argv = ["--seq-len", str(task.seq_len)]
+    argv += [x for n, f in _RECALL.items() for x in (f"--recall-{f}", str(getattr(task, n)))]
+    argv += [x for n in _MODEL_INT + _MODEL_FLOAT for x in (f"--{n.replace('_', '-')}", str(getattr(model, n)))]
+    argv += [x for n, f in _OPTIM.items() for x in (f"--{f}", repr(getattr(optim, n)))]
+    return argv
+
+
+def _torchrun_env() -> tuple[int, int, int] | None:
+    """``(rank, world_size, local_rank)`` from torchrun's environment, or None without it."""
+    if "WORLD_SIZE" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def _result_json(args, spec, world: int, result: dict, error: str | None) -> dict:
+    return {"steps": result.get("steps", []), "loss": result.get("loss", []),
+            "resumed_from": result.get("resumed_from"), "world_size": world,
+            "dims": spec.layout.dims(), "data_parallel": spec.layout.data_parallel,
+            "dtype": args.dtype, "data": args.data or "recall", "recall": result.get("recall"),
+            "checkpoints": result.get("checkpoints", []), "seconds": result.get("seconds"), "error": error}
+
+
+def run(args: argparse.Namespace) -> int:
+    env = _torchrun_env()
+    rank, world, local_rank = env if env is not None else (0, 1, 0)
+    try:
+        spec = build_spec(args, world)
+        from ..training.loop import make_data
+
+        data = make_data(spec)  # a bad token file fails here, before any collective
+    except (_Bad, ValueError) as exc:
+        if rank == 0:
+            print(f"sparseops train: {exc}", file=sys.stderr)
+        return 2
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from ..training.faults import TrainingStopped
+    from ..training.loop import train_run
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if env is not None:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=spec.comm_timeout))
+    if rank == 0:
+        print(f"sparseops train: {world} rank(s), {spec.layout.dims()} {spec.layout.data_parallel}, "
+              f"{spec.optim.steps} steps x {spec.optim.batch_size} sequences, {args.dtype} on {device.type}"
+              + (f", resuming from {spec.resume}" if spec.resume else ""), flush=True)
+
+    def on_step(step: int, loss: float) -> None:
+        if spec.log_every and ((step + 1) % spec.log_every == 0 or step + 1 == spec.optim.steps):
+            print(f"step {step} loss {loss:.6g}", flush=True)
+
+    result: dict = {}
+    error, status = None, 0
+    try:
+        train_run(spec, result, device=device, data=data, on_step=on_step)
+    except TrainingStopped as exc:
+        error, status = str(exc), 1
+        print(f"sparseops train: rank {rank}: stopped at {exc}", file=sys.stderr, flush=True)
+    if rank == 0 and args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(_result_json(args, spec, world, result, error), indent=1) + "\n")
+    if rank == 0 and status == 0:
+        print(f"sparseops train: done, {len(result['steps'])} steps in {result['seconds']:.1f} s"
+              + (f", recall {100 * result['recall']:.1f} %" if result.get("recall") is not None else ""), flush=True)
+    if env is not None:
+        if status:  # the group may be broken (a peer gone): leave without its teardown, which could wait
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+        dist.destroy_process_group()
+    return status
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="sparseops train", description=__doc__)
+    add_arguments(_parser)
+    sys.exit(run(_parser.parse_args()))

@@ -1,0 +1,158 @@
+"""DCP checkpoints of a ``sparseops train`` run: ``DIR/step_<s>`` holds the model, the optimizer, the scheduler,
+the step, every rank's RNG state and the data position (docs/training.md, "Checkpoints and resume").
+
+The model and optimizer go through ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` /
+``get_optimizer_state_dict``), which writes every parameter under its one-process name and global shape, so a
+checkpoint loads at any layout. The rest is one :class:`TrainState` (a DCP ``Stateful``). A checkpoint is
+complete when DCP's ``.metadata`` file exists: the coordinator writes it last, after every rank's data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+#: ``DIR/step_<s>``: the checkpoint after ``s`` steps
+_NAME = re.compile(r"step_(\d+)")
+METADATA = ".metadata"
+
+
+def checkpoint_path(directory: str | os.PathLike, step: int) -> Path:
+    """``DIR/step_<step>``."""
+    return Path(directory) / f"step_{step}"
+
+
+def scan(directory: str | os.PathLike) -> tuple[list[tuple[int, Path]], list[Path]]:
+    """``(complete, incomplete)`` checkpoints of ``directory``: complete ones as ``(step, path)`` by step."""
+    complete, incomplete = [], []
+    root = Path(directory)
+    if root.is_dir():
+        for child in root.iterdir():
+            m = _NAME.fullmatch(child.name)
+            if m and child.is_dir():
+                if (child / METADATA).is_file():
+                    complete.append((int(m.group(1)), child))
+                else:
+                    incomplete.append(child)
+    return sorted(complete), sorted(incomplete)
+
+
+def newest_complete(directory: str | os.PathLike, flag: str = "--resume") -> tuple[int, Path]:
+    """The newest complete checkpoint of ``directory`` as ``(step, path)``.
+
+    Incomplete ones newer than it (a run stopped while saving) are skipped with a warning.
+
+    Raises:
+        ValueError: ``directory`` holds no complete checkpoint (named with ``flag``).
+    """
+    complete, incomplete = scan(directory)
+    if not complete:
+        what = "does not exist" if not Path(directory).exists() else (
+            f"holds no complete checkpoint (step_<s> with {METADATA})"
+            + (f"; incomplete: {', '.join(p.name for p in incomplete)}" if incomplete else ""))
+        raise ValueError(f"{flag}: expected a directory with a complete checkpoint, got {os.fspath(directory)!r}, "
+                         f"which {what}")
+    step, path = complete[-1]
+    for p in incomplete:
+        if int(_NAME.fullmatch(p.name).group(1)) > step:
+            warnings.warn(f"{p} is incomplete (no {METADATA}: the run stopped while saving it); resuming from "
+                          f"{path.name}", stacklevel=2)
+    return step, path
+
+
+def _rng_key(rank: int) -> str:
+    return f"rank_{rank}"
+
+
+def rng_state(device: torch.device) -> torch.Tensor:
+    """This process's torch RNG state (CPU, then the CUDA device's when on CUDA) as one uint8 tensor."""
+    parts = [torch.get_rng_state()]
+    if device.type == "cuda":
+        parts.append(torch.cuda.get_rng_state(device))
+    return torch.cat(parts)
+
+
+def set_rng_state(state: torch.Tensor, device: torch.device) -> None:
+    n = torch.get_rng_state().numel()
+    torch.set_rng_state(state[:n].clone())
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state[n:].clone(), device)
+
+
+class TrainState(Stateful):
+    """The step, the scheduler, the data position and every rank's RNG state, as one DCP ``Stateful``.
+
+    Each rank saves its own RNG state under ``rng.rank_<r>`` (written once: no other rank has the key). On a
+    load at another world size a rank without a saved state keeps the one it has (seeded by the run); the
+    training itself draws no random numbers outside the data stream, which is saved whole.
+    """
+
+    def __init__(self, scheduler, data, rank: int, device: torch.device):
+        self.step, self.scheduler, self.data, self.rank, self.device = 0, scheduler, data, rank, device
+        self.saved_ranks: set[int] | None = None  # set before a load: the ranks whose RNG the checkpoint holds
+
+    def state_dict(self) -> dict:
+        rng = {}
+        if self.saved_ranks is None or self.rank in self.saved_ranks:
+            rng[_rng_key(self.rank)] = rng_state(self.device)
+        return {"step": self.step, "scheduler": self.scheduler.state_dict(), "data": self.data.state_dict(),
+                "rng": rng}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.data.load_state_dict(state["data"])
+        mine = state["rng"].get(_rng_key(self.rank))
+        if mine is not None:
+            set_rng_state(mine, self.device)
+
+
+@contextlib.contextmanager
+def _one_process_quiet():
+    """Without a process group DCP warns that it saves / loads in one process: that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def save(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: TrainState) -> None:
+    """Write the checkpoint ``path`` (every rank calls it; DCP writes ``.metadata`` last)."""
+    train_state.saved_ranks = None
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer),
+             "train": train_state}
+    with _one_process_quiet():
+        dcp.save(state, checkpoint_id=path)
+
+
+def _saved_rng_ranks(path: Path) -> set[int]:
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    prefix = "train.rng.rank_"
+    return {int(k[len(prefix):]) for k in keys if k.startswith(prefix)}
+
+
+def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: TrainState) -> int:
+    """Restore everything from the checkpoint ``path`` at the current layout; returns the step it holds."""
+    train_state.saved_ranks = _saved_rng_ranks(path)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer),
+             "train": train_state}
+    with _one_process_quiet():
+        dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+    if dist.is_initialized():
+        dist.barrier()
+    return train_state.step

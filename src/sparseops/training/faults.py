@@ -1,0 +1,87 @@
+"""Faults of a ``sparseops train`` run: the error that ends it naming the step, and the test-only injection
+(docs/training.md, "Faults").
+
+``SPARSEOPS_TRAIN_FAULT=<kind>:rank=<r>:step=<s>`` (tests only) makes rank ``r`` misbehave at step ``s``
+(``s`` counts from 0, before the step's first collective):
+
+- ``hang``: sleeps forever (a rank that stops responding: the others' collectives time out after
+  ``--comm-timeout``);
+- ``kill``: kills itself with SIGKILL (a rank that dies: torchrun ends the job);
+- ``nan``: its loss becomes NaN (every rank stops before the optimizer step).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+
+FAULT_ENV = "SPARSEOPS_TRAIN_FAULT"
+FAULT_KINDS = ("hang", "kill", "nan")
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped at ``step``: a non-finite loss or gradient, or a collective that failed or timed out."""
+
+    def __init__(self, step: int, message: str):
+        super().__init__(f"step {step}: {message}")
+        self.step = step
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int
+    step: int
+
+    def at(self, step: int, rank: int) -> bool:
+        return self.step == step and self.rank == rank
+
+
+def parse_fault(text: str | None) -> Fault | None:
+    """``"hang:rank=1:step=3"`` -> ``Fault("hang", 1, 3)``; None or ``""`` -> None.
+
+    Raises:
+        ValueError: naming :data:`FAULT_ENV`, the expected form and the value.
+    """
+    if not text:
+        return None
+    parts = text.split(":")
+    fields = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
+    ok = (len(parts) == 3 and parts[0] in FAULT_KINDS and set(fields) == {"rank", "step"}
+          and all(v.isdigit() for v in fields.values()))
+    if not ok:
+        raise ValueError(f"{FAULT_ENV}: expected '<kind>:rank=<r>:step=<s>' with kind in {FAULT_KINDS}, got {text!r}")
+    return Fault(parts[0], int(fields["rank"]), int(fields["step"]))
+
+
+def fault_from_env() -> Fault | None:
+    return parse_fault(os.environ.get(FAULT_ENV))
+
+
+def inject(fault: Fault | None, step: int, rank: int) -> bool:
+    """Act out ``fault`` when it is due at ``(step, rank)``: hang or die here; True for ``nan`` (the caller
+    poisons its loss)."""
+    if fault is None or not fault.at(step, rank):
+        return False
+    if fault.kind == "hang":
+        while True:
+            time.sleep(3600)
+    if fault.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
+
+
+def nonfinite_ranks(flags: torch.Tensor) -> list[int]:
+    """The ranks whose entry of the all-reduced ``[W]`` flag vector is set."""
+    return [int(r) for r in torch.nonzero(flags).reshape(-1).tolist()]
+
+
+def collective_failure(step: int, rank: int, timeout: float, exc: BaseException) -> TrainingStopped:
+    """The error of a collective that raised on this rank (a peer stopped responding or died)."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return TrainingStopped(step, f"rank {rank}: {type(exc).__name__}: {first} (a collective that fails here: a rank "
+                                 f"stopped responding within --comm-timeout {timeout:g} s, or died)")

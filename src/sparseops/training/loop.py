@@ -1,0 +1,217 @@
+"""The training loop of ``sparseops train``: the LM of ``sparseops.models`` on one process or on every rank of a
+``torchrun`` job, parallelized by :func:`sparseops.distributed.parallelize` (docs/training.md).
+
+One step, at every layout alike (and bitwise the one-process ``sparseops.models.train.train`` in one process):
+
+    every rank: its share of the global batch of step s -> forward -> ce_r = sum of its cross-entropies
+    one all-reduce of [ce_r, nonfinite_r one-hot over the ranks]: the global loss, and a stop on every rank,
+        naming the step and the ranks, when any rank's loss is not finite (before backward and the step)
+    backward of ce_r / (n / W) + aux (the mean over the rank's equal share; parallelize averages over W)
+    clip the global gradient norm (one term per parameter, the experts' one per expert, in global order),
+        stop when it is not finite; AdamW step; LambdaLR step (linear warm-up, cosine to 0)
+    checkpoint every S steps and at the end (training/checkpoint.py)
+
+Collectives are bounded by ``--comm-timeout``: the process group's timeout, set on every group the layout
+made, so a rank that stops responding makes its peers raise instead of wait (training/faults.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..models.lm import LMConfig, expert_parameter
+from ..models.recall import IGNORE_INDEX, RecallTask
+from ..models.train import TrainConfig, build_model, grad_norm_sq, lr_factor, recall
+from . import checkpoint
+from .data import RecallStream, TokenFile
+from .faults import TrainingStopped, collective_failure, fault_from_env, inject, nonfinite_ranks
+
+DATA_PARALLEL = ("fsdp", "ddp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The parallel dimensions (torchtitan's names, :class:`sparseops.distributed.ParallelDims`), resolved:
+    ``dp_replicate * dp_shard`` is the world size, ``ep`` divides ``dp_shard``."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    ep: int = 1
+    data_parallel: str = "fsdp"
+
+    def dims(self) -> dict:
+        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "ep": self.ep}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a run needs (``sparseops train``'s flags, checked): model, data, optimisation, layout."""
+
+    model: LMConfig
+    optim: TrainConfig  #: steps, batch_size (the global batch), lr, warmup, weight_decay, clip, seed, eval_*
+    task: RecallTask | None = None  #: the recall task, or None with ``data_path``
+    data_path: str | None = None
+    data_dtype: str = "uint16"
+    seq_len: int = 128  #: of the token file's sequences (the recall task has its own)
+    dtype: torch.dtype = torch.float32
+    layout: Layout = field(default_factory=Layout)
+    save_dir: str | None = None
+    save_every: int | None = None
+    resume: str | None = None  #: the checkpoint path to resume from (the CLI picks the newest complete one)
+    comm_timeout: float = 300.0
+    log_every: int = 0  #: print the loss every N steps on rank 0 (0: never)
+
+
+def make_data(spec: RunSpec):
+    """The data source of ``spec``: the recall stream or the token file."""
+    if spec.data_path is None:
+        return RecallStream(spec.task, spec.optim.batch_size, spec.optim.seed)
+    return TokenFile(spec.data_path, spec.data_dtype, spec.seq_len, spec.optim.batch_size, spec.optim.seed,
+                     vocab_size=spec.model.vocab_size or None)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _grad_norm_sq(replicated: list, experts: list, world: int) -> torch.Tensor:
+    """The squared global gradient norm: :func:`sparseops.models.train.grad_norm_sq` in one process; on W ranks
+    the same terms (one per parameter, one per (expert parameter, expert)), each reduced over its mesh."""
+    if world == 1:
+        return grad_norm_sq(replicated, experts)
+    terms = [_full(p.grad.pow(2).sum()).reshape(1) for p in replicated]
+    if experts:
+        per_expert = [_full(p.grad.pow(2).sum(dim=tuple(range(1, p.grad.ndim)))) for p in experts]
+        terms.append(torch.stack(per_expert).reshape(-1))
+    return torch.cat(terms).sum()
+
+
+def _bound_timeouts(model: torch.nn.Module, timeout: datetime.timedelta) -> None:
+    """Give every process group of the layout (meshes of the DTensor parameters, the MoE layers' EP groups)
+    the run's timeout: DeviceMesh creates its sub-groups with torch's default (30 minutes on gloo)."""
+    groups = {}
+    for p in model.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None:
+            for i in range(mesh.ndim):
+                g = mesh.get_group(i)
+                groups[id(g)] = g
+    for m in model.modules():
+        g = getattr(m, "ep_group", None)
+        if g is not None:
+            groups[id(g)] = g
+    for g in groups.values():
+        dist.distributed_c10d._set_pg_timeout(timeout, g)
+
+
+def _parallelize(model: torch.nn.Module, layout: Layout, timeout: float) -> None:
+    from ..distributed import ParallelDims, parallelize
+
+    dims = ParallelDims(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, ep=layout.ep)
+    parallelize(model, dims, data_parallel=layout.data_parallel)
+    _bound_timeouts(model, datetime.timedelta(seconds=timeout))
+
+
+def train_run(spec: RunSpec, result: dict, *, device: torch.device | None = None, data=None,
+              on_step: Callable[[int, float], None] | None = None) -> dict:
+    """Train ``spec`` on this process (one rank of the initialised process group, or alone) and fill ``result``.
+
+    ``data``: the data source, :func:`make_data` of ``spec`` (None: made here).
+
+    ``result`` (filled as the run goes, so that a caller can report a run that stopped): ``steps``, ``loss``
+    (the global mean loss of each step run here), ``resumed_from``, ``checkpoints`` (paths written),
+    ``recall`` (the recall task, ``eval_sequences > 0``; else None), ``seconds``.
+
+    Raises:
+        TrainingStopped: a non-finite loss or gradient norm (on every rank, before the optimizer step), or a
+            collective that failed or timed out (a peer stopped responding or died); the message names the step.
+    """
+    device = torch.device("cpu") if device is None else device
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    cfg = spec.optim
+    data = make_data(spec) if data is None else data
+    model_cfg = spec.model.replace(vocab_size=data.vocab_size)
+    model = build_model(model_cfg, cfg.seed, spec.dtype, device)
+    if world > 1:
+        _parallelize(model, spec.layout, spec.comm_timeout)
+    named = list(model.named_parameters())
+    replicated = [p for n, p in named if not expert_parameter(n)]
+    experts = [p for n, p in named if expert_parameter(n)]
+    opt = torch.optim.AdamW([p for _, p in named], lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
+    state = checkpoint.TrainState(sched, data, rank, device)
+    result.update(steps=[], loss=[], resumed_from=None, checkpoints=[], recall=None, seconds=0.0)
+    if spec.resume is not None:
+        result["resumed_from"] = checkpoint.load(spec.resume, model, opt, state)
+    fault = fault_from_env()
+    start = time.perf_counter()
+    for step in range(state.step, cfg.steps):
+        try:
+            loss = _step(model, opt, sched, data, replicated, experts, step, rank, world, cfg, device,
+                         inject(fault, step, rank))
+            state.step = step + 1
+            result["steps"].append(step)
+            result["loss"].append(loss)
+            if spec.save_dir is not None and (state.step == cfg.steps or (
+                    spec.save_every and state.step % spec.save_every == 0)):
+                path = checkpoint.checkpoint_path(spec.save_dir, state.step)
+                checkpoint.save(path, model, opt, state)
+                result["checkpoints"].append(str(path))
+        except TrainingStopped:
+            raise
+        except (RuntimeError, dist.DistError) as exc:
+            if world == 1:
+                raise
+            raise collective_failure(step, rank, spec.comm_timeout, exc) from exc
+        finally:
+            result["seconds"] = time.perf_counter() - start
+        if on_step is not None and rank == 0:
+            on_step(step, loss)
+    if spec.task is not None and spec.data_path is None and cfg.eval_sequences > 0:
+        result["recall"] = recall(model, spec.task, cfg, device, dist.group.WORLD if world > 1 else None)
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+def _step(model, opt, sched, data, replicated, experts, step, rank, world, cfg, device, poison: bool) -> float:
+    tokens, targets, cu, n = data.batch(step, rank, world)
+    logits, aux = model(tokens.to(device), cu.tolist())
+    ce = F.cross_entropy(logits, targets.to(device), ignore_index=IGNORE_INDEX, reduction="sum")
+    if poison:
+        ce = ce * math.nan
+    total = ce.detach()
+    if world > 1:
+        stats = torch.zeros(1 + world, dtype=ce.dtype, device=device)
+        stats[0] = total
+        stats[1 + rank] = float(not torch.isfinite(total))
+        dist.all_reduce(stats)
+        total, bad = stats[0], nonfinite_ranks(stats[1:])
+    else:
+        bad = [] if torch.isfinite(total) else [0]
+    loss = float(total / n + aux.detach())
+    if bad:
+        raise TrainingStopped(step, f"non-finite loss on rank(s) {bad} (global loss {loss}); every rank stopped "
+                                    "before the optimizer step")
+    opt.zero_grad(set_to_none=False)
+    (ce / (n // world) + aux).backward()
+    for p in replicated + experts:  # a parameter no token reached this step
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    norm_sq = _grad_norm_sq(replicated, experts, world)
+    if not torch.isfinite(norm_sq):
+        raise TrainingStopped(step, f"non-finite gradient norm ({float(norm_sq)}); every rank stopped before the "
+                                    "optimizer step")
+    coef = (cfg.clip / (norm_sq.sqrt() + 1e-6)).clamp(max=1.0)
+    for p in replicated + experts:
+        p.grad.mul_(coef if world == 1 else float(coef))
+    opt.step()
+    sched.step()
+    return loss

@@ -1,0 +1,76 @@
+"""The training data: the global batch of step s depends on (seed, s) only; rank shares tile it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparseops.training.data import RecallStream, TokenFile, share
+
+from ..models.test_lm import TINY_TASK
+
+
+def test_share_tiles_the_batch():
+    assert [share(8, r, 4) for r in range(4)] == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    with pytest.raises(ValueError, match="batch_size: expected a multiple of the data-parallel size 3, got 8"):
+        share(8, 0, 3)
+
+
+def test_recall_stream_is_the_task_stream_at_every_world_size():
+    """Step s's global batch is the s-th draw of Generator(seed), whatever the world size; shares concatenate."""
+    gen = torch.Generator().manual_seed(5)
+    want = [TINY_TASK.sample(4, gen) for _ in range(3)]
+    for world in (1, 2, 4):
+        streams = [RecallStream(TINY_TASK, 4, seed=5) for _ in range(world)]
+        for s in range(3):
+            parts = [st.batch(s, r, world) for r, st in enumerate(streams)]
+            assert torch.equal(torch.cat([p.tokens for p in parts]), want[s].tokens)
+            assert torch.equal(torch.cat([p.targets for p in parts]), want[s].targets)
+            assert all(p.n_targets == 4 * TINY_TASK.num_queries for p in parts)
+            assert torch.equal(parts[0].cu_seqlens, torch.arange(4 // world + 1, dtype=torch.int32) * 80)
+
+
+def test_recall_stream_state_resumes_and_rejects_a_skipped_step():
+    a, b = RecallStream(TINY_TASK, 2, seed=1), RecallStream(TINY_TASK, 2, seed=1)
+    a.batch(0)
+    b.load_state_dict(a.state_dict())
+    assert b.position == 1 and torch.equal(a.batch(1).tokens, b.batch(1).tokens)
+    with pytest.raises(ValueError, match="step: expected the stream's next step 2, got 5"):
+        a.batch(5)
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_token_file_windows_epochs_and_shares(tmp_path, dtype):
+    L, B, N = 4, 3, 4 * 5 + 3  # 5 windows of L+1 tokens (one overlap), 2 tokens left over
+    ids = torch.randint(0, 60_000, (N,), generator=torch.Generator().manual_seed(0), dtype=torch.int64)
+    path = tmp_path / "tokens.bin"
+    ids.to(getattr(torch, dtype)).numpy().tofile(path)
+    data = TokenFile(path, dtype, L, B, seed=3)
+    assert data.num_windows == 5 and data.vocab_size == int(ids.max()) + 1
+    seen = []
+    for s in range(5):  # 15 sequences: 3 epochs of the 5 windows
+        full = data.batch(s)
+        rows = full.tokens.view(B, L)
+        assert torch.equal(full.targets.view(B, L)[:, :-1], rows[:, 1:]) and full.n_targets == B * L
+        for row, tgt in zip(rows, full.targets.view(B, L)):
+            start = next(w for w in range(5) if torch.equal(ids[w * L:w * L + L], row))
+            assert tgt[-1] == ids[start * L + L]
+            seen.append(start)
+    assert all(sorted(seen[e * 5:(e + 1) * 5]) == list(range(5)) for e in range(3))  # each window once per epoch
+    other = TokenFile(path, dtype, L, B, seed=3)
+    assert torch.equal(other.batch(4).tokens, data.batch(4).tokens)  # a function of (seed, step) only
+    assert torch.equal(TokenFile(path, dtype, L, B, seed=3).batch(2, 2, 3).tokens, data.batch(2).tokens[2 * L:])
+
+
+def test_token_file_bad_input(tmp_path):
+    path = tmp_path / "t.bin"
+    torch.arange(10, dtype=torch.int16).numpy().tofile(path)
+    with pytest.raises(ValueError, match="seq_len: expected at most 9"):
+        TokenFile(path, "uint16", 9 + 1, 1, 0)
+    with pytest.raises(ValueError, match="vocab_size: expected more than the file's largest token id 9, got 9"):
+        TokenFile(path, "uint16", 4, 1, 0, vocab_size=9)
+    (tmp_path / "odd.bin").write_bytes(b"123456")
+    with pytest.raises(ValueError, match="expected a multiple of 4 bytes .uint32., got 6 bytes"):
+        TokenFile(tmp_path / "odd.bin", "uint32", 1, 1, 0)
+    with pytest.raises(ValueError, match="path: expected a token file"):
+        TokenFile(tmp_path / "missing.bin", "uint16", 4, 1, 0)
