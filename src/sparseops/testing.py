@@ -19,6 +19,11 @@ TOLERANCES: dict[torch.dtype, float] = {
     torch.bfloat16: 1e-2,
 }
 
+#: relative error allowed for a distributed float64 training run (losses, gradients, parameters after several
+#: optimizer steps) against the same run in one process: Adam's division by sqrt(v) amplifies the rounding of
+#: the other summation orders of the data-parallel reductions
+TRAINING_TOLERANCE = 1e-9
+
 
 def tolerance(dtype: torch.dtype) -> float:
     return TOLERANCES[dtype]

@@ -10,6 +10,7 @@ is available, else the loop. The choice lives in :data:`SETTINGS` (``SETTINGS.ov
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -277,5 +278,18 @@ class GroupedExperts(nn.Module):
 
     def apply_counts(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """:meth:`forward` without the argument checks (``counts`` already a checked list)."""
-        grouped = _use_grouped(x, self.w1)
-        return _GroupedFFN.apply(x.contiguous(), self.w1, self.w3, self.w2, counts, grouped)
+        w1, w3, w2 = (local_tensor(w) for w in (self.w1, self.w3, self.w2))
+        grouped = _use_grouped(x, w1)
+        return _GroupedFFN.apply(x.contiguous(), w1, w3, w2, counts, grouped)
+
+
+def local_tensor(t: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's part of a DTensor parameter (``to_local``: differentiable), any other tensor unchanged.
+
+    Under :func:`sparseops.distributed.parallelize` the experts' parameters are DTensors of the global shape
+    ``[E, ...]`` sharded over the ``ep`` mesh dimension (docs/training.md); the GEMMs run on the local
+    experts. Without a loaded ``torch.distributed.tensor`` no DTensor exists, so nothing is imported here."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if t is not None and dtensor is not None and isinstance(t, dtensor.DTensor):
+        return t.to_local()
+    return t

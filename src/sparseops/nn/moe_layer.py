@@ -5,6 +5,7 @@ The math, the expert-parallel gradient semantics and the dispatchers' traffic ar
 
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 import torch
@@ -132,6 +133,11 @@ class MoELayer(nn.Module):
         self.experts = GroupedExperts(E // ep, H, ffn_size, activation, **kw)
         self.shared = SharedExpert(H, Fs, **kw) if Fs else None
         self._group_checked = ep == 1
+        # the group over whose batch the losses and MoEAux count (None: ep_group), the positions of the EP
+        # group's ranks in it, and the gradient scale of this rank's loss part: set by parallelize
+        self.batch_group, self._batch_rows, self.grad_scale = None, None, 1.0
+        self.register_state_dict_post_hook(_experts_to_global)
+        self.register_load_state_dict_pre_hook(_experts_from_global)
 
     @property
     def local_experts(self) -> range:
@@ -165,35 +171,50 @@ class MoELayer(nn.Module):
         x2 = self.router.check_input(x)
         if x.dtype not in DTYPES:
             raise TypeError(f"x: expected one of {DTYPES}, got {x.dtype}")
-        if x.dtype != self.experts.w1.dtype:
-            raise TypeError(f"x: expected dtype {self.experts.w1.dtype} (the experts' weights), got {x.dtype}")
+        wdt = next(self.experts.parameters()).dtype
+        if x.dtype != wdt:
+            raise TypeError(f"x: expected dtype {wdt} (the experts' weights), got {x.dtype}")
+        if self.ep_size > 1 and self.batch_group is None and _inside_ddp():
+            raise ValueError(
+                "model: expected no torch.nn.parallel.DistributedDataParallel around a MoELayer built with "
+                "ep_group, got one: DDP broadcasts rank 0's experts over the other ranks' and averages the "
+                "gradients of different experts. Build the model without ep_group and call "
+                "sparseops.distributed.parallelize(model, ParallelDims(ep=...), data_parallel='ddp') instead")
         if not self._group_checked:
             self._check_group(x.device)
         E, K, T = self.num_experts, self.top_k, x2.shape[0]
-        logits, scores, indices, probs, routed = self.router.route(x2)
+        # submodules through __call__, so their hooks (FSDP2, forward hooks, checkpointing) run
+        route = self.router(x2, aux=False)
+        logits, scores, probs, routed = route.logits, route.scores, route.probs, route.tokens_per_expert
+        indices = route.indices.long()
         psum, zsum = self.router.loss_terms(logits, scores)
         if self.capacity_factor is not None:
             indices = drop_to_sink(indices, probs, E, capacity(self.capacity_factor, T, K, E), self.drop_policy)
         dispatch = self._dispatch_replicated if self.replicated_tokens and self.ep_size > 1 else self._dispatch
-        y, loss, plan, routed_slots = dispatch(x2, indices, probs, routed, psum, zsum)
+        y, loss, routed_slots, kept_g = dispatch(x2, indices, probs, routed, psum, zsum)
         if self.shared is not None:
             y = y + self.shared(x2)
-        kept_g = torch.tensor(plan.group_counts(), dtype=torch.int64, device=x.device)
-        dropped = int(round(routed_slots)) - int(sum(plan.group_counts()))
-        return y.view(x.shape), MoEAux(loss, kept_g, dropped)
+        dropped = int(round(routed_slots)) - int(sum(kept_g))
+        return y.view(x.shape), MoEAux(loss, torch.tensor(kept_g, dtype=torch.int64, device=x.device), dropped)
 
     def _dispatch(self, x2, indices, probs, routed, psum, zsum):
-        """Each rank's own tokens: ``(y, loss, plan, the group's routed slots)``."""
+        """Each rank's own tokens: ``(y, loss, the batch's routed slots, its kept slots per expert)``.
+
+        The statistics are gathered over ``batch_group`` (the EP group unless :func:`parallelize` set the
+        data-parallel world): the losses and counts over all of its ranks, the dispatch plan from the rows
+        of the EP group's ranks."""
         E, T = self.num_experts, x2.shape[0]
         kept = torch.bincount(indices.reshape(-1), minlength=E + 1)[:E]
-        st = gather_stats(self.ep_group, [T], routed, kept, psum.detach(), zsum.detach())  # the one host sync
+        group = self.ep_group if self.batch_group is None else self.batch_group
+        st = gather_stats(group, [T], routed, kept, psum.detach(), zsum.detach())  # the one host sync
         loss = self.router.losses(psum, zsum, int(st.total(0)), st.sum_tensor(1, x2.device),
-                                  st.sum_tensor(3, x2.device), st.total(4))
-        plan = Plan(tokens=[int(p[0]) for p in st.piece(0)], kept=st.ints(2), rank=self.ep_rank,
+                                  st.sum_tensor(3, x2.device), st.total(4), self.grad_scale)
+        ep_st = st if self._batch_rows is None else st.select(self._batch_rows)
+        plan = Plan(tokens=[int(p[0]) for p in ep_st.piece(0)], kept=ep_st.ints(2), rank=self.ep_rank,
                     world_size=self.ep_size)
         name = "local" if self.ep_size == 1 else self.dispatcher
-        y = DISPATCH[name](x2, indices, probs, plan, self.experts.apply_counts, self.ep_group, self.backend)
-        return y, loss, plan, sum(sum(p) for p in st.piece(1))
+        y = DISPATCH[name](x2, indices, probs, plan, self.experts, self.ep_group, self.backend)
+        return y, loss, sum(sum(p) for p in st.piece(1)), [sum(col) for col in zip(*st.ints(2))]
 
     def _dispatch_replicated(self, x2, indices, probs, routed, psum, zsum):
         """``replicated_tokens``: dispatch this rank's block of the (same) tokens, gather the outputs back."""
@@ -217,6 +238,67 @@ class MoELayer(nn.Module):
         plan = Plan(tokens=sizes, kept=[kept_rows[q * E:(q + 1) * E] for q in range(ws)], rank=r, world_size=ws)
         lo = sum(sizes[:r])
         y = DISPATCH[self.dispatcher](split_rows(x2, self.ep_group, sizes), indices[lo:lo + sizes[r]],
-                                      split_rows(probs, self.ep_group, sizes), plan, self.experts.apply_counts,
+                                      split_rows(probs, self.ep_group, sizes), plan, self.experts,
                                       self.ep_group, self.backend)
-        return gather_rows(y, self.ep_group, sizes), loss, plan, sum(own.piece(1)[0])
+        return gather_rows(y, self.ep_group, sizes), loss, sum(own.piece(1)[0]), plan.group_counts()
+
+
+def _ep_mesh(layer: MoELayer, device_type: str):
+    """A one-dimensional DeviceMesh over the layer's raw ``ep_group`` (built once)."""
+    mesh = getattr(layer, "_raw_ep_mesh", None)
+    if mesh is None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh.from_group(layer.ep_group, device_type)
+        layer._raw_ep_mesh = mesh
+    return mesh
+
+
+def _expert_keys(layer: MoELayer, prefix: str):
+    return [(f"{prefix}experts.{n}", n) for n, _ in layer.experts.named_parameters(recurse=False)]
+
+
+def _experts_to_global(layer: MoELayer, state: dict, prefix: str, local_metadata) -> None:
+    """``state_dict`` of a layer built with a raw ``ep_group``: the local experts as DTensors of the global
+    shape ``[E, ...]`` (``Shard(0)`` over the group), so ``torch.distributed.checkpoint`` writes all E experts
+    once under their one-process keys instead of one rank's copy (docs/training.md, "Checkpoints")."""
+    if layer.ep_size == 1:
+        return
+    from torch.distributed.tensor import DTensor, Shard
+
+    for key, _ in _expert_keys(layer, prefix):
+        value = state.get(key)
+        if value is None or isinstance(value, DTensor):
+            continue
+        shape = (layer.num_experts, *value.shape[1:])
+        state[key] = DTensor.from_local(value, _ep_mesh(layer, value.device.type), [Shard(0)], run_check=False,
+                                        shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+
+
+def _experts_from_global(layer: MoELayer, state: dict, prefix: str, local_metadata, strict, missing_keys,
+                         unexpected_keys, error_msgs) -> None:
+    """``load_state_dict`` of a layer built with a raw ``ep_group``: a DTensor or a one-process ``[E, ...]``
+    tensor of the experts becomes this rank's ``[E_l, ...]`` block; a local block loads as it is."""
+    if layer.ep_size == 1 or any(_is_dtensor(p) for p in layer.experts.parameters()):
+        return
+    r = layer.local_experts
+    for key, _ in _expert_keys(layer, prefix):
+        value = state.get(key)
+        if value is None:
+            continue
+        if _is_dtensor(value):
+            value = value.full_tensor()
+        if value.dim() >= 1 and value.shape[0] == layer.num_experts:
+            state[key] = value[r.start:r.stop]
+
+
+def _is_dtensor(t) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
+
+
+def _inside_ddp() -> bool:
+    """Whether a DistributedDataParallel forward is running (DDP records its active module for this)."""
+    parallel = sys.modules.get("torch.nn.parallel.distributed")
+    active = getattr(getattr(parallel, "DistributedDataParallel", None), "_get_active_ddp_module", None)
+    return active is not None and active() is not None

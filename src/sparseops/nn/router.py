@@ -26,7 +26,7 @@ class RouterOutput(NamedTuple):
     indices: torch.Tensor  #: `[T, K]` int32, the chosen experts, each row in descending selection key
     scores: torch.Tensor  #: `[T, E]` router dtype, softmax or sigmoid of the logits
     logits: torch.Tensor  #: `[T, E]` router dtype
-    aux_loss: torch.Tensor  #: 0-dim router dtype, load-balance + z-loss over the group's batch
+    aux_loss: torch.Tensor | None  #: 0-dim router dtype, load-balance + z-loss over the group's batch (None: aux=False)
     tokens_per_expert: torch.Tensor  #: `[E]` int64, this rank's routed slots (before any capacity drop)
 
 
@@ -167,11 +167,13 @@ class TopKRouter(nn.Module):
         return s_hat.sum(0), torch.logsumexp(logits, dim=-1).pow(2).sum()
 
     def losses(self, psum: torch.Tensor, zsum: torch.Tensor, T_g: int, counts_g: torch.Tensor,
-               psum_g: torch.Tensor, zsum_g: float) -> torch.Tensor:
+               psum_g: torch.Tensor, zsum_g: float, grad_scale: float = 1.0) -> torch.Tensor:
         """The group's loss value with gradients into this rank's terms only (docs/moe-layer.md, "Losses").
 
         ``psum``, ``zsum``: this rank's :meth:`loss_terms`; ``T_g``, ``counts_g [E]``, ``psum_g [E]``,
-        ``zsum_g``: the group's totals (no gradient)."""
+        ``zsum_g``: the group's totals (no gradient). ``grad_scale`` multiplies the gradient of this rank's
+        part, not the value: ``W`` when a data-parallel sync averages the gradients over the ``W`` ranks of
+        the group (docs/training.md, "Gradients")."""
         rdt = psum.dtype
         zero = psum.new_zeros(())
         if T_g == 0 or (self.aux_loss_coeff == 0 and self.z_loss_coeff == 0):
@@ -187,10 +189,16 @@ class TopKRouter(nn.Module):
         if self.z_loss_coeff:
             local = local + self.z_loss_coeff / T_g * zsum
             full += self.z_loss_coeff / T_g * zsum_g
+        if grad_scale != 1.0:
+            local = local * grad_scale
         return local - local.detach() + full
 
-    def forward(self, x: torch.Tensor, group: dist.ProcessGroup | None = None) -> RouterOutput:
+    def forward(self, x: torch.Tensor, group: dist.ProcessGroup | None = None, *, aux: bool = True) -> RouterOutput:
         """Route ``x [T, H]`` (or ``[..., H]``, flattened); losses over ``group``'s batch (None: this process).
+
+        ``aux=False`` skips the losses and their collective (``aux_loss`` is None): :class:`MoELayer` gathers
+        the group's statistics itself, once per forward, and computes the losses from the returned
+        ``logits`` and ``scores`` with :meth:`loss_terms` and :meth:`losses`.
 
         Returns:
             :class:`RouterOutput` ``(probs [T, K], indices [T, K] int32, scores [T, E], logits [T, E],
@@ -198,6 +206,8 @@ class TopKRouter(nn.Module):
         """
         x2 = self.check_input(x)
         logits, scores, indices, probs, counts = self.route(x2)
+        if not aux:
+            return RouterOutput(probs, indices.to(torch.int32), scores, logits, None, counts)
         psum, zsum = self.loss_terms(logits, scores)
         T = x2.shape[0]
         st = gather_stats(group, [T], counts, psum.detach(), zsum.detach())

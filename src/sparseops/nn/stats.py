@@ -26,6 +26,10 @@ class GroupStats:
         """Rank r's numbers alone, as if gathered over a group of one."""
         return GroupStats([self.rows[r]], self.lengths)
 
+    def select(self, ranks: list[int]) -> GroupStats:
+        """The rows of ``ranks`` (positions in the gathered group), in that order."""
+        return GroupStats([self.rows[r] for r in ranks], self.lengths)
+
     @property
     def world_size(self) -> int:
         return len(self.rows)

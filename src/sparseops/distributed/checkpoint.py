@@ -1,0 +1,102 @@
+"""Checkpoints of parallelized (or one-process) models with ``torch.distributed.checkpoint`` (docs/training.md).
+
+DCP does the work: ``get_model_state_dict`` / ``get_optimizer_state_dict`` give every parameter and optimizer
+moment under its one-process key at its global shape (the experts as DTensors ``[E, ...]``), ``dcp.save``
+writes each shard once, ``dcp.load`` reshards into whatever layout the loading model has. The helpers here
+add the checks DCP leaves to its planner's error (a ``CheckpointException`` wrapping the first mismatch): every
+key of the loading state present in the checkpoint at the same shape, as one ``ValueError`` naming the key and
+both shapes, raised before anything is read.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+
+def _flatten(state, prefix: str = "") -> dict:
+    """``{"model": {"a.b": t}}`` -> ``{"model.a.b": t}`` (lists by index), as DCP names the saved entries."""
+    out = {}
+    items = state.items() if isinstance(state, Mapping) else enumerate(state) if isinstance(state, list) else None
+    if items is None:
+        return {prefix: state}
+    for k, v in items:
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, (Mapping, list)):
+            out.update(_flatten(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+def _shape(value) -> torch.Size | None:
+    return value.shape if isinstance(value, torch.Tensor) else None
+
+
+def check_compatible(state_dict: Mapping, checkpoint_id: str | os.PathLike) -> None:
+    """Raise ``ValueError`` unless every tensor of ``state_dict`` is in the checkpoint at the same global shape.
+
+    Reads only the checkpoint's ``.metadata``: no collective, no tensor data. A DTensor's shape is its global
+    shape, so a layout of another ``ep`` or world size is compatible; another E, H or F is not."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = os.fspath(checkpoint_id)
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise ValueError(f"checkpoint_id: expected a complete DCP checkpoint (a .metadata file) at {path!r}, "
+                         "got none")
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    for key, value in _flatten(state_dict).items():
+        if key not in saved:
+            raise ValueError(f"checkpoint_id: expected the key {key!r} in the checkpoint {path!r}, got no such key")
+        shape = _shape(value)
+        meta = saved[key]
+        if shape is not None and isinstance(meta, TensorStorageMetadata) and tuple(meta.size) != tuple(shape):
+            raise ValueError(f"checkpoint_id: expected {key!r} of shape {list(shape)} (the model's), got "
+                             f"{list(meta.size)} in the checkpoint {path!r}")
+
+
+def save(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+         **extra) -> None:
+    """``dcp.save({"model": ..., "optim": ..., **extra})`` with DCP's state-dict helpers.
+
+    ``extra``: further entries (tensors, ints, dicts of them, or objects with ``state_dict``), saved under
+    their names. Every rank calls it; each shard is written once."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    state = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    state.update(extra)
+    dcp.save(state, checkpoint_id=os.fspath(checkpoint_id))
+
+
+def load(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+         **extra) -> dict:
+    """Load a :func:`save` checkpoint into ``model`` (and ``optimizer``), at whatever layout ``model`` has.
+
+    :func:`check_compatible` runs first, so an incompatible checkpoint raises ``ValueError`` before any
+    tensor is loaded. ``extra``: entries to load in place (their current values give the structure); returned
+    as loaded. Works in one process without a process group too (DCP's no-process-group mode)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    state = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    state.update(extra)
+    check_compatible({k: v for k, v in state.items() if k != "optim"}, checkpoint_id)
+    dcp.load(state, checkpoint_id=os.fspath(checkpoint_id))
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optim"])
+    return {k: state[k] for k in extra}

@@ -1,0 +1,292 @@
+"""Data × expert parallelism on torch's own parts: ``ParallelDims`` (the mesh axes) and ``parallelize``.
+
+The layout, the gradient semantics and what a checkpoint holds are in docs/training.md. In short: the world of
+``W = dp_replicate * dp_shard`` ranks trains one model on the global batch; the routed experts of every
+:class:`sparseops.nn.MoELayer` become DTensors of the global shape ``[E, ...]`` sharded over ``ep`` (FSDP2 over
+the ``efsdp = dp_shard / ep`` ranks that share an expert shard, replicated over ``dp_replicate``); every other
+parameter is FSDP2-sharded (HSDP with ``dp_replicate > 1``) or replicated by DDP over the whole world.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..nn.moe_layer import MoELayer
+
+DATA_PARALLEL = ("fsdp", "ddp")
+
+#: the attribute ``parallelize`` leaves on the model (checked to refuse a second call)
+_MARK = "_sparseops_parallel"
+
+
+def _check_size(name: str, value, *, allow_rest: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if not (value >= 1 or (allow_rest and value == -1)):
+        raise ValueError(f"{name}: expected an int >= 1{' or -1 (the rest of the world)' if allow_rest else ''}, "
+                         f"got {value}")
+    return value
+
+
+@dataclass
+class ParallelDims:
+    """The parallel layout of a run, with torchtitan's axis names (docs/training.md, "Mesh axes").
+
+    ``W = dp_replicate * dp_shard`` ranks (``dp_shard=-1``: the rest of the world). The dense parameters are
+    sharded over ``dp_shard`` and replicated over ``dp_replicate``; the routed experts are split over ``ep``
+    ranks borrowed from ``dp_shard`` (``ep`` must divide ``dp_shard`` and every MoE layer's E), and each expert
+    shard is FSDP-sharded further over ``efsdp = dp_shard / ep`` ranks.
+
+    Rank ``r`` sits at ``(dp_replicate, dp_shard) = divmod(r, dp_shard)`` on the dense mesh and at
+    ``(dp_replicate, efsdp, ep)`` with ``dp_shard = efsdp * ep + ep_index`` on the expert mesh: the ``ep``
+    ranks of one expert group are consecutive.
+
+    The meshes are built with ``init_device_mesh`` the first time :meth:`build` (or :func:`parallelize`) needs
+    them; :meth:`resolve` checks a layout against a world size without any collective.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    ep: int = 1
+    _meshes: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_size("dp_replicate", self.dp_replicate)
+        _check_size("dp_shard", self.dp_shard, allow_rest=True)
+        _check_size("ep", self.ep)
+        if self.dp_shard != -1 and self.dp_shard % self.ep:
+            raise ValueError(f"ep: expected a divisor of dp_shard = {self.dp_shard}, got {self.ep}")
+
+    def resolve(self, world_size: int) -> ParallelDims:
+        """The layout with ``dp_shard`` filled in for ``world_size`` ranks; ValueError if it does not fit."""
+        W = _check_size("world_size", world_size)
+        if self.dp_shard == -1:
+            if W % self.dp_replicate:
+                raise ValueError(f"dp_replicate: expected a divisor of the world size {W}, got {self.dp_replicate}")
+            shard = W // self.dp_replicate
+            if shard % self.ep:
+                raise ValueError(f"ep: expected a divisor of dp_shard = {shard} (world size {W} / dp_replicate "
+                                 f"{self.dp_replicate}), got {self.ep}")
+        else:
+            shard = self.dp_shard
+            if self.dp_replicate * shard != W:
+                raise ValueError(f"dp_replicate * dp_shard: expected the world size {W}, got "
+                                 f"{self.dp_replicate} * {shard} = {self.dp_replicate * shard}")
+        if shard == self.dp_shard:
+            return self
+        return ParallelDims(self.dp_replicate, shard, self.ep)
+
+    @property
+    def world_size(self) -> int:
+        self._need_resolved()
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def efsdp(self) -> int:
+        """The ranks that share one expert shard (``dp_shard / ep``)."""
+        self._need_resolved()
+        return self.dp_shard // self.ep
+
+    def _need_resolved(self) -> None:
+        if self.dp_shard == -1:
+            raise ValueError("dp_shard: expected a resolved layout (call resolve(world_size)), got -1")
+
+    def build(self, device_type: str) -> ParallelDims:
+        """The resolved layout with its meshes: ``dense`` ``(dp_replicate, dp_shard)``, ``expert``
+        ``(dp_replicate, efsdp, ep)`` and ``dp`` ``(W,)``, each from ``init_device_mesh`` on ``device_type``.
+
+        Needs the process group (torchrun's environment); the layout is checked against its world size first,
+        so a bad one raises ``ValueError`` before any collective."""
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("ParallelDims.build: expected an initialized torch.distributed process group "
+                               "(run under torchrun, or call init_process_group first)")
+        dims = self.resolve(dist.get_world_size())
+        key = device_type
+        if key not in dims._meshes:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            dims._meshes[key] = {
+                "dense": init_device_mesh(device_type, (dims.dp_replicate, dims.dp_shard),
+                                          mesh_dim_names=("dp_replicate", "dp_shard")),
+                "expert": init_device_mesh(device_type, (dims.dp_replicate, dims.efsdp, dims.ep),
+                                           mesh_dim_names=("dp_replicate", "efsdp", "ep")),
+                "dp": init_device_mesh(device_type, (dims.world_size,), mesh_dim_names=("dp",)),
+            }
+        return dims
+
+    def mesh(self, name: str, device_type: str):
+        """One of the meshes of :meth:`build` (``"dense"``, ``"expert"`` or ``"dp"``)."""
+        dims = self.build(device_type)
+        if name not in ("dense", "expert", "dp"):
+            raise ValueError(f"name: expected 'dense', 'expert' or 'dp', got {name!r}")
+        return dims._meshes[device_type][name]
+
+
+def _device_type(model: nn.Module) -> str:
+    """``cuda`` under NCCL, else ``cpu`` (meta parameters take the backend's device)."""
+    backend = str(dist.get_backend()).lower()
+    return "cuda" if "nccl" in backend else "cpu"
+
+
+def _moe_layers(model: nn.Module) -> list[MoELayer]:
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def _check(model: nn.Module, dims: ParallelDims, data_parallel: str) -> tuple[ParallelDims, list[MoELayer]]:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(dims, ParallelDims):
+        raise TypeError(f"dims: expected a sparseops.distributed.ParallelDims, got {type(dims).__name__}")
+    if data_parallel not in DATA_PARALLEL:
+        raise ValueError(f"data_parallel: expected one of {DATA_PARALLEL}, got {data_parallel!r}")
+    if getattr(model, _MARK, None) is not None:
+        raise ValueError("model: expected a model not parallelized yet, got one parallelize already ran on "
+                         f"({getattr(model, _MARK)})")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("parallelize: expected an initialized torch.distributed process group "
+                           "(run under torchrun, or call init_process_group first)")
+    dims = dims.resolve(dist.get_world_size())
+    layers = _moe_layers(model)
+    for layer in layers:
+        if layer.ep_group is not None:
+            raise ValueError("model: expected MoELayers built without ep_group (parallelize splits the experts "
+                             f"over the ep mesh), got one with an ep_group of {layer.ep_size} ranks")
+        if layer.replicated_tokens:
+            raise ValueError("model: expected MoELayers with replicated_tokens=False (parallelize gives every "
+                             "rank its own share of the batch), got replicated_tokens=True")
+        if layer.num_experts % dims.ep:
+            raise ValueError(f"ep: expected a divisor of every MoE layer's num_experts, got ep = {dims.ep} and "
+                             f"num_experts = {layer.num_experts}")
+    return dims, layers
+
+
+def _shard_experts(layer: MoELayer, dims: ParallelDims, device_type: str) -> None:
+    """Replace the layer's full experts by this rank's block as DTensors of the global shape, Shard(0) on ep."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    ep_mesh = dims.mesh("expert", device_type)["ep"]
+    j, El = ep_mesh.get_local_rank(), layer.num_experts // dims.ep
+    experts = layer.experts
+    for name, p in list(experts.named_parameters(recurse=False)):
+        if p.shape[0] != layer.num_experts:
+            raise ValueError(f"model: expected the experts' parameter {name} of shape [E={layer.num_experts}, ...], "
+                             f"got {list(p.shape)}")
+        local = p.detach()[j * El:(j + 1) * El].clone()
+        dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
+        experts.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
+    if hasattr(experts, "num_experts"):
+        experts.num_experts = El  # the counts its forward takes are the local experts'
+    layer.ep_group, layer.ep_size, layer.ep_rank = ep_mesh.get_group(), dims.ep, j
+    layer._group_checked = dims.ep == 1
+    layer.batch_group = dist.group.WORLD
+    layer._batch_rows = dist.get_process_group_ranks(layer.ep_group) if dims.ep > 1 else [dist.get_rank()]
+    layer.grad_scale = float(dims.world_size)
+
+
+def _owned(module: nn.Module, params: list) -> set | None:
+    """The ones of ``params`` that ``module`` holds (None: none), compared by identity."""
+    ids = {id(p) for p in params}
+    return {q for q in module.parameters() if id(q) in ids} or None
+
+
+def _fsdp_options(module, device_type: str, divide: float | None = None) -> None:
+    if divide is not None:
+        module.set_gradient_divide_factor(divide)
+    if device_type != "cuda":
+        # gloo has neither PREMUL_SUM nor a trustworthy AVG: sum, then divide once
+        module.set_force_sum_reduction_for_comms(True)
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, *, data_parallel: str = "fsdp") -> nn.Module:
+    """Spread ``model`` over the world as ``dims`` lays it out, in place; returns ``model``.
+
+    Every rank passes the same full model (same seed). Each :class:`~sparseops.nn.MoELayer` keeps on rank
+    ``(..., efsdp_i, ep_j)`` the experts ``[j*E/ep, (j+1)*E/ep)`` as DTensors of the global shape ``[E, ...]``
+    (``Shard(0)`` over ``ep``, FSDP2-sharded along dim 1 over ``efsdp``, replicated over ``dp_replicate``); its
+    aux loss and counts then cover the global batch. The other parameters are FSDP2-sharded over
+    ``(dp_replicate, dp_shard)`` (``"fsdp"``, HSDP when ``dp_replicate > 1``; every ``nn.ModuleList`` entry and
+    every MoE layer its own unit) or replicated with DDP's gradient all-reduce over the world (``"ddp"``).
+
+    Then each rank's loss is the mean over its equal share of the global batch, and after ``backward`` every
+    parameter's gradient (its ``full_tensor()``) is the one-process gradient of the global mean loss
+    (docs/training.md, "Gradients"). ``model.state_dict()`` keys are the one-process keys.
+
+    Raises:
+        ValueError: a layout that does not match the world, an ``ep`` that does not divide ``dp_shard`` or a
+            layer's E, MoE layers built with ``ep_group`` or ``replicated_tokens``, a second call; all before
+            any collective. TypeError: a model or dims of the wrong type.
+    """
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    dims, layers = _check(model, dims, data_parallel)
+    device_type = _device_type(model)
+    dims = dims.build(device_type)
+    expert_mesh = dims.mesh("expert", device_type)
+    expert_dp = expert_mesh["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else expert_mesh["efsdp"]
+    W = float(dims.world_size)
+    loose = []  # experts no FSDP unit manages: the dense units must leave them alone
+    for layer in layers:
+        _shard_experts(layer, dims, device_type)
+        if dims.dp_replicate * dims.efsdp > 1:
+            fully_shard(layer.experts, mesh=expert_dp, shard_placement_fn=lambda p: Shard(1))
+            # an expert's gradient arrives summed over its ep group's losses: summed over the data-parallel
+            # replicas of its shard it is the sum over all W ranks' losses, of which the global loss is the mean
+            _fsdp_options(layer.experts, device_type, divide=W)
+        else:
+            # no data-parallel replica (W = ep): only the division by W is left. Not an FSDP unit of one rank,
+            # whose reduction divides twice by a custom divide factor (torch 2.13, docs/training.md "Traps")
+            loose += list(layer.experts.parameters())
+            if W > 1:
+                for p in layer.experts.parameters():
+                    p.register_hook(lambda g, W=W: g / W)
+    if data_parallel == "fsdp":
+        dense = dims.mesh("dense", device_type)
+        dense = dense if dims.dp_replicate > 1 else dense["dp_shard"]
+        units = {id(m): m for m in model.modules() if isinstance(m, MoELayer)}
+        units.update((id(c), c) for m in model.modules() if isinstance(m, nn.ModuleList) for c in m)
+        for unit in [*units.values(), model]:  # inner units first: MoE layers, the blocks holding them, the root
+            fully_shard(unit, mesh=dense, ignored_params=_owned(unit, loose))
+            _fsdp_options(unit, device_type)
+    else:
+        from torch.distributed._composable.replicate import replicate
+
+        loose_ids = {id(p) for p in loose}
+        replicate(model, device_mesh=dims.mesh("dp", device_type),
+                  ignored_modules=[la.experts for la in layers if any(id(p) in loose_ids for p in la.experts.parameters())])
+    setattr(model, _MARK, f"{dims}, data_parallel={data_parallel!r}")
+    return model
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over parameters that live on different meshes (or none).
+
+    The norm of each mesh's gradients is reduced over that mesh (``torch.nn.utils.get_total_norm`` of the
+    DTensors, then ``full_tensor``), the plain tensors' norm is taken locally, and every gradient is scaled by
+    ``min(1, max_norm / (total + 1e-6))``, as torch's clip does in one process. Returns the total norm (a plain
+    0-dim tensor, the same on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    groups: dict = {}
+    for g in grads:
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g)
+    norms = []
+    for gs in groups.values():
+        n = torch.nn.utils.get_total_norm(gs, norm_type)
+        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    total = torch.nn.utils.get_total_norm(norms, norm_type)
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.device))
+    return total
