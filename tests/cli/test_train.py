@@ -5,7 +5,12 @@ collective (in this process); layouts against the one-process float64 oracle, re
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +18,7 @@ import torch
 
 from sparseops.cli import main
 from sparseops.cli.train import config_argv
+from sparseops.distributed.launch import free_port
 from sparseops.models.train import TrainConfig, train
 
 from ..models.test_lm import TINY, TINY_TASK
@@ -126,3 +132,145 @@ def test_bad_flags_exit_2_before_any_collective(tmp_path, monkeypatch, capsys, w
                 if "--save-every" not in extra else [*ARGV, *extra]) == 2
     assert re.search(match, capsys.readouterr().err)
     assert not (tmp_path / "r.json").exists() and not (tmp_path / "ck").exists()
+
+
+# --- torchrun subprocesses ------------------------------------------------------------------------------------
+
+#: seconds any one torchrun job may take (start-up is several seconds per process on 2 busy cores)
+JOB_TIMEOUT = 240
+#: the layout every multi-rank job here starts from: 2 ranks, FSDP, the experts split in two
+LAYOUT = ["--dp-shard", "2", "--ep", "2"]
+F64 = ["--dtype", "float64"]
+
+
+def _env(**extra) -> dict:
+    """This environment for a torchrun job: this checkout's sources first, one thread per rank, no fault
+    unless ``extra`` injects one."""
+    import sparseops
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(sparseops.__file__).parents[1]), env.get("PYTHONPATH", "")])
+    env.pop("SPARSEOPS_TRAIN_FAULT", None)
+    env.update(extra)
+    return env
+
+
+def _launch(agent_args: list[str], train_args: list[str], env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *agent_args, "-m", "sparseops",
+                             *train_args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait(procs: list[subprocess.Popen]) -> tuple[list[int], str]:
+    out = []
+    try:
+        for p in procs:
+            out.append(p.communicate(timeout=JOB_TIMEOUT)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return [p.returncode for p in procs], "\n".join(out)
+
+
+def torchrun(nproc: int, train_args: list[str], **env) -> tuple[int, str, float]:
+    """``torchrun --standalone --nproc-per-node nproc -m sparseops train ...``: exit status, output, seconds."""
+    t0 = time.monotonic()
+    rcs, out = _wait([_launch(["--standalone", "--nproc-per-node", str(nproc)], ["train", *train_args],
+                              _env(**env))])
+    return rcs[0], out, time.monotonic() - t0
+
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def _rel(a: list[float], b: list[float]) -> float:
+    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    assert a.shape == b.shape
+    return float(((a - b).abs() / b.abs()).max())
+
+
+#: the W = 2 runs agree with the one-process float64 run to rounding (docs/training.md, "Gradients")
+F64_RTOL = 1e-9
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory):
+    """The one-process float64 run (4 steps) and the W = 2 run of the same flags, launched as two torchrun agents
+    of one rank each (``--nnodes 2``, c10d rendezvous on 127.0.0.1), checkpoints every 2 steps."""
+    root = tmp_path_factory.mktemp("train")
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main([*ARGV, *F64, "--save", str(root / "one"), "--json", str(root / "one.json")]) == 0
+    finally:
+        torch.set_num_threads(n)
+    port = free_port()
+    agent = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+             f"127.0.0.1:{port}", "--rdzv-id", f"sparseops-{port}"]
+    args = [*ARGV[1:], *F64, *LAYOUT, "--save", str(root / "two"), "--save-every", "2", "--json",
+            str(root / "two.json")]
+    rcs, out = _wait([_launch(agent, ["train", *args], _env()) for _ in range(2)])
+    assert rcs == [0, 0], out
+    return root
+
+
+@pytest.mark.distributed
+def test_two_nodes_match_the_float64_oracle(oracle):
+    one, two = _json(oracle / "one.json"), _json(oracle / "two.json")
+    assert two["world_size"] == 2 and two["dims"] == {"dp_replicate": 1, "dp_shard": 2, "ep": 2}
+    assert two["data_parallel"] == "fsdp" and two["steps"] == [0, 1, 2, 3]
+    assert _rel(two["loss"], one["loss"]) <= F64_RTOL and two["recall"] == one["recall"]
+    assert (oracle / "two" / "step_2" / ".metadata").is_file() and (oracle / "two" / "step_4" / ".metadata").is_file()
+
+
+@pytest.mark.distributed
+def test_resharded_resume(oracle, tmp_path, one_thread):
+    """The W = 2 (ep 2) checkpoint of step 2 resumed in one process (ep 1) and at W = 4 (HSDP-like DDP layout,
+    dp_replicate 2 x dp_shard 2, ep 2): the oracle's losses to rounding; at W = 4 a NaN injected into rank 3's
+    loss at step 3 then stops every rank before the optimizer step, naming the step and the rank."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    shutil.copytree(oracle / "two" / "step_2", ck / "step_2")
+    want = _json(oracle / "one.json")["loss"]
+    assert main([*ARGV, *F64, "--resume", str(ck), "--json", str(tmp_path / "r1.json")]) == 0
+    r1 = _json(tmp_path / "r1.json")
+    assert r1["resumed_from"] == 2 and r1["steps"] == [2, 3] and _rel(r1["loss"], want[2:]) <= F64_RTOL
+    rc, out, _ = torchrun(4, [*ARGV[1:], *F64, "--dp-replicate", "2", "--ep", "2", "--ddp", "--resume", str(ck),
+                              "--json", str(tmp_path / "r4.json")], SPARSEOPS_TRAIN_FAULT="nan:rank=3:step=3")
+    assert rc != 0
+    r4 = _json(tmp_path / "r4.json")
+    assert r4["world_size"] == 4 and r4["data_parallel"] == "ddp" and r4["resumed_from"] == 2
+    assert r4["steps"] == [2] and _rel(r4["loss"], want[2:3]) <= F64_RTOL
+    assert r4["error"].startswith("step 3: non-finite loss on rank(s) [3]")
+    assert out.count("stopped at step 3: non-finite loss on rank(s) [3]") == 4, out  # every rank, before the step
+
+
+@pytest.mark.distributed
+def test_killed_rank_then_relaunch_resumes_bitwise(oracle, tmp_path):
+    """Rank 1 killed (SIGKILL) at step 3: torchrun ends the job non-zero; the relaunch resumes from step 2 and
+    its losses and final checkpoint are bitwise those of the uninterrupted run at the same layout."""
+    ck = tmp_path / "ck"
+    args = [*ARGV[1:], *F64, *LAYOUT, "--save", str(ck), "--save-every", "2"]
+    rc, out, _ = torchrun(2, args, SPARSEOPS_TRAIN_FAULT="kill:rank=1:step=3")
+    assert rc != 0 and "exitcode  : -9" in out, out
+    assert (ck / "step_2" / ".metadata").is_file() and not (ck / "step_4").exists()
+    rc, out, _ = torchrun(2, [*args, "--resume", str(ck), "--json", str(tmp_path / "r.json")])
+    assert rc == 0, out
+    r, whole = _json(tmp_path / "r.json"), _json(oracle / "two.json")
+    assert r["resumed_from"] == 2 and r["steps"] == [2, 3] and r["loss"] == whole["loss"][2:]
+    _assert_same_checkpoint(_checkpoint(ck / "step_4", tmp_path), _checkpoint(oracle / "two" / "step_4", tmp_path))
+
+
+@pytest.mark.distributed
+def test_hung_rank_ends_the_job_within_the_timeout(tmp_path):
+    """Rank 1 stops responding at step 1: rank 0's next collective times out after --comm-timeout, it exits
+    naming the step, torchrun ends the rest; the job ends in start-up + timeout + a bound, not in the 300 s
+    default."""
+    timeout = 5
+    rc, out, seconds = torchrun(2, [*ARGV[1:], *LAYOUT, "--comm-timeout", str(timeout)],
+                                SPARSEOPS_TRAIN_FAULT="hang:rank=1:step=1")
+    assert rc != 0
+    assert "rank 0: stopped at step 1: rank 0: " in out and "Timed out" in out, out
+    assert seconds < timeout + 60, seconds

@@ -146,9 +146,12 @@ def _saved_rng_ranks(path: Path) -> set[int]:
 
 def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: TrainState) -> int:
     """Restore everything from the checkpoint ``path`` at the current layout; returns the step it holds."""
+    from ..distributed.checkpoint import check_compatible
+
     train_state.saved_ranks = _saved_rng_ranks(path)
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer),
              "train": train_state}
+    check_compatible({"model": state["model"]}, path)  # another model: a ValueError naming the key, shapes
     with _one_process_quiet():
         dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"])

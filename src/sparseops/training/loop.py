@@ -7,8 +7,9 @@ One step, at every layout alike (and bitwise the one-process ``sparseops.models.
     one all-reduce of [ce_r, nonfinite_r one-hot over the ranks]: the global loss, and a stop on every rank,
         naming the step and the ranks, when any rank's loss is not finite (before backward and the step)
     backward of ce_r / (n / W) + aux (the mean over the rank's equal share; parallelize averages over W)
-    clip the global gradient norm (one term per parameter, the experts' one per expert, in global order),
-        stop when it is not finite; AdamW step; LambdaLR step (linear warm-up, cosine to 0)
+    clip the global gradient norm (in one process the demo's sum, one term per parameter and per expert; on W
+        ranks sparseops.distributed.clip_grad_norm_ across the meshes), stop on every rank when it is not
+        finite; AdamW step; LambdaLR step (linear warm-up, cosine to 0)
     checkpoint every S steps and at the end (training/checkpoint.py)
 
 Collectives are bounded by ``--comm-timeout``: the process group's timeout, set on every group the layout
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..distributed import ParallelDims, clip_grad_norm_, parallelize
 from ..models.lm import LMConfig, expert_parameter
 from ..models.recall import IGNORE_INDEX, RecallTask
 from ..models.train import TrainConfig, build_model, grad_norm_sq, lr_factor, recall
@@ -78,22 +80,6 @@ def make_data(spec: RunSpec):
                      vocab_size=spec.model.vocab_size or None)
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _grad_norm_sq(replicated: list, experts: list, world: int) -> torch.Tensor:
-    """The squared global gradient norm: :func:`sparseops.models.train.grad_norm_sq` in one process; on W ranks
-    the same terms (one per parameter, one per (expert parameter, expert)), each reduced over its mesh."""
-    if world == 1:
-        return grad_norm_sq(replicated, experts)
-    terms = [_full(p.grad.pow(2).sum()).reshape(1) for p in replicated]
-    if experts:
-        per_expert = [_full(p.grad.pow(2).sum(dim=tuple(range(1, p.grad.ndim)))) for p in experts]
-        terms.append(torch.stack(per_expert).reshape(-1))
-    return torch.cat(terms).sum()
-
-
 def _bound_timeouts(model: torch.nn.Module, timeout: datetime.timedelta) -> None:
     """Give every process group of the layout (meshes of the DTensor parameters, the MoE layers' EP groups)
     the run's timeout: DeviceMesh creates its sub-groups with torch's default (30 minutes on gloo)."""
@@ -113,8 +99,6 @@ def _bound_timeouts(model: torch.nn.Module, timeout: datetime.timedelta) -> None
 
 
 def _parallelize(model: torch.nn.Module, layout: Layout, timeout: float) -> None:
-    from ..distributed import ParallelDims, parallelize
-
     dims = ParallelDims(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, ep=layout.ep)
     parallelize(model, dims, data_parallel=layout.data_parallel)
     _bound_timeouts(model, datetime.timedelta(seconds=timeout))
@@ -205,13 +189,16 @@ def _step(model, opt, sched, data, replicated, experts, step, rank, world, cfg, 
     for p in replicated + experts:  # a parameter no token reached this step
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    norm_sq = _grad_norm_sq(replicated, experts, world)
-    if not torch.isfinite(norm_sq):
-        raise TrainingStopped(step, f"non-finite gradient norm ({float(norm_sq)}); every rank stopped before the "
+    if world == 1:  # the demo's clipping, term for term
+        norm = grad_norm_sq(replicated, experts).sqrt()
+        coef = (cfg.clip / (norm + 1e-6)).clamp(max=1.0)
+        for p in replicated + experts:
+            p.grad.mul_(coef)
+    else:
+        norm = clip_grad_norm_(replicated + experts, cfg.clip)
+    if not torch.isfinite(norm):
+        raise TrainingStopped(step, f"non-finite gradient norm ({float(norm)}); every rank stopped before the "
                                     "optimizer step")
-    coef = (cfg.clip / (norm_sq.sqrt() + 1e-6)).clamp(max=1.0)
-    for p in replicated + experts:
-        p.grad.mul_(coef if world == 1 else float(coef))
     opt.step()
     sched.step()
     return loss
