@@ -126,11 +126,31 @@ def _table(result: dict) -> str:
     return "\n".join(rows)
 
 
+def _train_torchrun(args, task, model_cfg, train_cfg, ep: int) -> dict:
+    """The EP rerun: ``sparseops train`` on ``ep`` ranks under torchrun, the demo's settings spelled out as flags.
+    ``replicated``: ``--replicated-tokens`` (every rank runs the whole batch); ``data``: parallelize's FSDP layout
+    with the experts split over the same ranks (``--dp-shard ep --ep ep``)."""
+    from ..training.torchrun import run_torchrun
+    from .train import config_argv
+
+    layout = ["--ep", str(ep), "--replicated-tokens"] if args.ep_mode == "replicated" else [
+        "--dp-shard", str(ep), "--ep", str(ep)]
+    argv = [*config_argv(task, model_cfg, train_cfg), *layout, "--dispatcher", args.dispatcher, "--dtype",
+            args.dtype, *(["--compile"] if args.compile else [])]
+    on_step, close = _progress(f"EP = {ep}", train_cfg.steps)
+    tokens = train_cfg.batch_size * task.seq_len
+    try:
+        return run_torchrun(ep, argv, threads=args.threads,
+                            on_step=lambda s, loss, sec: on_step(s, loss, (s + 1) * tokens / sec))
+    finally:
+        close()
+
+
 def _train_all(args, task, model_cfg, train_cfg, ep: int, exact: bool, dtype, device) -> tuple[dict, dict | None]:
     """The NSA and window-only runs, then the EP rerun compared with the NSA run: ``(runs, ep_result)``."""
     import torch
 
-    from ..models.train import train, train_expert_parallel
+    from ..models.train import train
 
     runs = {}
     for key, cfg in (("nsa", model_cfg), ("window_only", model_cfg.replace(window_only=True))):
@@ -146,8 +166,7 @@ def _train_all(args, task, model_cfg, train_cfg, ep: int, exact: bool, dtype, de
     if device != "cpu":  # the EP run is on the CPU: compare it with a CPU run
         reference = train(model_cfg, task, train_cfg, dtype=dtype, compile=args.compile)
     t0 = time.perf_counter()
-    r = train_expert_parallel(model_cfg, task, train_cfg, ep, dtype=dtype, ep_mode=args.ep_mode,
-                              dispatcher=args.dispatcher, compile=args.compile, threads=args.threads)
+    r = _train_torchrun(args, task, model_cfg, train_cfg, ep)
     a, b = torch.tensor(reference["loss"], dtype=torch.float64), torch.tensor(r["loss"], dtype=torch.float64)
     rel = (a - b).abs() / a.abs()
     check = len(rel) if exact else min(EP_CHECK_STEPS, len(rel))

@@ -29,7 +29,8 @@ _RECALL = {"num_pairs": "pairs", "num_queries": "queries", "num_keys": "keys", "
 
 #: TrainConfig fields and their flags
 _OPTIM = {"steps": "steps", "batch_size": "global-batch", "lr": "lr", "warmup": "warmup",
-          "weight_decay": "weight-decay", "clip": "clip", "seed": "seed", "eval_sequences": "eval-sequences"}
+          "weight_decay": "weight-decay", "clip": "clip", "seed": "seed", "eval_sequences": "eval-sequences",
+          "eval_batch": "eval-batch"}
 
 
 #: LMConfig's size fields, written out so that ``sparseops --help`` does not import torch
@@ -58,7 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--clip", type=float, default=None, help="global gradient-norm clip")
     g.add_argument("--eval-sequences", type=int, default=None, metavar="N",
                    help="held-out recall sequences evaluated at the end (0: none; the recall task only)")
+    g.add_argument("--eval-batch", type=int, default=None, metavar="N", help="sequences per evaluation batch")
     g.add_argument("--threads", type=int, default=None, metavar="N", help="torch threads per process")
+    g.add_argument("--compile", action="store_true", help="train torch.compile(model) (the MoE layers eager)")
     g.add_argument("--log-every", type=int, default=10, metavar="N", help="print the loss every N steps (0: never)")
     g = parser.add_argument_group("data")
     g.add_argument("--data", metavar="PATH", default=None,
@@ -79,6 +82,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dp-shard", type=int, default=-1, metavar="N", help="FSDP ranks per replica (-1: the rest)")
     g.add_argument("--ep", type=int, default=1, metavar="N", help="expert-parallel ranks (divides --dp-shard and E)")
     g.add_argument("--ddp", action="store_true", help="replicate the dense parameters (DDP) instead of FSDP")
+    g.add_argument("--replicated-tokens", action="store_true",
+                   help="expert parallelism without data parallelism: every rank runs the whole batch, the MoE "
+                        "layers split its tokens over the --ep = world ranks (bitwise the one-process run with the "
+                        "alltoall dispatcher; no checkpoints)")
+    g.add_argument("--dispatcher", choices=("alltoall", "allgather"), default="alltoall",
+                   help="the MoE layers' token dispatcher")
     g = parser.add_argument_group("checkpoints and faults")
     g.add_argument("--save", metavar="DIR", default=None, help="write DCP checkpoints DIR/step_<s>")
     g.add_argument("--save-every", type=int, default=None, metavar="S", help="a checkpoint every S steps (and at "
@@ -101,10 +110,18 @@ def _check_int(args, name: str, lo: int) -> None:
 
 
 def resolve_layout(world: int, dp_replicate: int, dp_shard: int, ep: int, num_experts: int, global_batch: int,
-                   data_parallel: str):
+                   data_parallel: str, dispatcher: str = "alltoall"):
     """The :class:`sparseops.training.loop.Layout` of the flags at this world size, or ``_Bad`` naming the flag."""
     from ..training.loop import Layout
 
+    if data_parallel == "none":  # --replicated-tokens
+        if (dp_replicate, dp_shard) != (1, -1):
+            raise _Bad(f"--replicated-tokens: expected no --dp-replicate / --dp-shard (no data parallelism), got "
+                       f"{dp_replicate} / {dp_shard}")
+        if ep not in (1, world) or num_experts % world:
+            raise _Bad(f"--ep: expected the world size {world} (a divisor of --num-experts = {num_experts}) with "
+                       f"--replicated-tokens, got {ep}")
+        return Layout(1, 1, world, "none", dispatcher)
     if dp_replicate < 1:
         raise _Bad(f"--dp-replicate: expected an int >= 1, got {dp_replicate}")
     if dp_shard == -1:
@@ -124,7 +141,7 @@ def resolve_layout(world: int, dp_replicate: int, dp_shard: int, ep: int, num_ex
         raise _Bad(f"--ep: expected a divisor of --num-experts = {num_experts}, got {ep}")
     if global_batch % world:
         raise _Bad(f"--global-batch: expected a multiple of the world size {world}, got {global_batch}")
-    return Layout(dp_replicate, dp_shard, ep, data_parallel)
+    return Layout(dp_replicate, dp_shard, ep, data_parallel, dispatcher)
 
 
 def build_spec(args: argparse.Namespace, world: int):
@@ -137,7 +154,7 @@ def build_spec(args: argparse.Namespace, world: int):
     from ..training import checkpoint
     from ..training.loop import RunSpec
 
-    for name, lo in (("steps", 1), ("global_batch", 1), ("seq_len", 1), ("warmup", 0), ("eval_sequences", 0),
+    for name, lo in (("steps", 1), ("global_batch", 1), ("seq_len", 1), ("warmup", 0), ("eval_sequences", 0), ("eval_batch", 1),
                      ("threads", 1), ("log_every", 0), ("save_every", 1), ("vocab_size", 1)):
         _check_int(args, name, lo)
     if not args.comm_timeout > 0:
@@ -153,8 +170,13 @@ def build_spec(args: argparse.Namespace, world: int):
     optim = dataclasses.replace(optim, **{k: v for k, v in given.items() if v is not None})
     model = dataclasses.replace(model, **{n: getattr(args, f"model_{n}") for n in _MODEL_INT + _MODEL_FLOAT
                                           if getattr(args, f"model_{n}") is not None})
+    if args.replicated_tokens and args.ddp:
+        raise _Bad("--ddp: expected no --ddp with --replicated-tokens (no data parallelism), got both")
+    if args.replicated_tokens and (args.save or args.resume):
+        raise _Bad("--replicated-tokens: expected no --save / --resume (checkpoints need the parallelize layouts), "
+                   "got " + ("--save" if args.save else "--resume"))
     layout = resolve_layout(world, args.dp_replicate, args.dp_shard, args.ep, model.num_experts, optim.batch_size,
-                            "ddp" if args.ddp else "fsdp")
+                            "none" if args.replicated_tokens else "ddp" if args.ddp else "fsdp", args.dispatcher)
     seq_len = args.seq_len if args.seq_len is not None else task.seq_len
     if args.data is None:
         changes = {n: getattr(args, f"recall_{n}") for n in _RECALL if getattr(args, f"recall_{n}") is not None}
@@ -165,9 +187,9 @@ def build_spec(args: argparse.Namespace, world: int):
         model = model.replace(vocab_size=task.vocab_size)
         if optim.eval_sequences:
             eval_batch = min(optim.eval_batch, optim.eval_sequences)
-            if eval_batch % world:
-                raise _Bad(f"--eval-sequences: expected evaluation batches of a multiple of the world size {world}, "
-                           f"got {eval_batch} (0 skips the evaluation)")
+            if eval_batch % layout.data_ranks:
+                raise _Bad(f"--eval-batch: expected a multiple of the data-parallel ranks {layout.data_ranks} (at most "
+                           f"--eval-sequences), got {eval_batch} (--eval-sequences 0 skips the evaluation)")
             optim = dataclasses.replace(optim, eval_batch=eval_batch)
     else:
         task = None
@@ -181,7 +203,7 @@ def build_spec(args: argparse.Namespace, world: int):
     return RunSpec(model=model, optim=optim, task=task, data_path=args.data, data_dtype=args.data_dtype,
                    seq_len=seq_len, dtype=getattr(torch, args.dtype), layout=layout, save_dir=args.save,
                    save_every=args.save_every, resume=resume, comm_timeout=args.comm_timeout,
-                   log_every=args.log_every)
+                   log_every=args.log_every, compile=args.compile)
 
 
 def config_argv(task, model, optim) -> list[str]:

@@ -71,7 +71,7 @@ def build_model(model_cfg: LMConfig, seed: int, dtype: torch.dtype, device, ep_g
                 ep_mode: str = "replicated", dispatcher: str = "alltoall") -> CausalLM:
     """The model as seeded in one process; under EP every rank loads its own experts from that same state."""
     torch.manual_seed(seed)
-    full = CausalLM(model_cfg, device=device, dtype=dtype)
+    full = CausalLM(model_cfg, dispatcher=dispatcher, device=device, dtype=dtype)
     if ep_group is None:
         return full
     model = CausalLM(model_cfg, ep_group=ep_group, replicated_tokens=ep_mode == "replicated",

@@ -36,18 +36,28 @@ from . import checkpoint
 from .data import RecallStream, TokenFile
 from .faults import TrainingStopped, collective_failure, fault_from_env, inject, nonfinite_ranks
 
-DATA_PARALLEL = ("fsdp", "ddp")
+#: ``Layout.data_parallel``: parallelize's two (``"fsdp"``, ``"ddp"``), or ``"none"``: expert parallelism without
+#: data parallelism, every rank running the whole global batch (``MoELayer(replicated_tokens=True)``, the demo's
+#: bitwise mode; docs/demo.md)
+DATA_PARALLEL = ("fsdp", "ddp", "none")
 
 
 @dataclass(frozen=True)
 class Layout:
     """The parallel dimensions (torchtitan's names, :class:`sparseops.distributed.ParallelDims`), resolved:
-    ``dp_replicate * dp_shard`` is the world size, ``ep`` divides ``dp_shard``."""
+    ``dp_replicate * dp_shard`` is the world size, ``ep`` divides ``dp_shard``. With ``data_parallel="none"``:
+    ``dp_replicate = dp_shard = 1`` and ``ep`` the world size (no data parallelism)."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
     ep: int = 1
     data_parallel: str = "fsdp"
+    dispatcher: str = "alltoall"  #: of the MoE layers (sparseops.models.CausalLM)
+
+    @property
+    def data_ranks(self) -> int:
+        """The ranks that split the global batch."""
+        return 1 if self.data_parallel == "none" else self.dp_replicate * self.dp_shard
 
     def dims(self) -> dict:
         return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "ep": self.ep}
@@ -70,6 +80,7 @@ class RunSpec:
     resume: str | None = None  #: the checkpoint path to resume from (the CLI picks the newest complete one)
     comm_timeout: float = 300.0
     log_every: int = 0  #: print the loss every N steps on rank 0 (0: never)
+    compile: bool = False  #: train ``torch.compile(model)`` (the MoE layers eager inside it; docs/demo.md)
 
 
 def make_data(spec: RunSpec):
@@ -123,9 +134,17 @@ def train_run(spec: RunSpec, result: dict, *, device: torch.device | None = None
     cfg = spec.optim
     data = make_data(spec) if data is None else data
     model_cfg = spec.model.replace(vocab_size=data.vocab_size)
-    model = build_model(model_cfg, cfg.seed, spec.dtype, device)
-    if world > 1:
-        _parallelize(model, spec.layout, spec.comm_timeout)
+    layout = spec.layout
+    replicated_tokens = world > 1 and layout.data_parallel == "none"
+    ctx = _Ctx(rank, world, *((0, 1) if replicated_tokens else (rank, world)),
+               dist.group.WORLD if replicated_tokens else None, cfg, device)
+    model = build_model(model_cfg, cfg.seed, spec.dtype, device, ep_group=ctx.ep_group,
+                        dispatcher=layout.dispatcher)
+    if replicated_tokens:
+        _bound_timeouts(model, datetime.timedelta(seconds=spec.comm_timeout))
+    elif world > 1:
+        _parallelize(model, layout, spec.comm_timeout)
+    run = torch.compile(model) if spec.compile else model
     named = list(model.named_parameters())
     replicated = [p for n, p in named if not expert_parameter(n)]
     experts = [p for n, p in named if expert_parameter(n)]
@@ -139,8 +158,7 @@ def train_run(spec: RunSpec, result: dict, *, device: torch.device | None = None
     start = time.perf_counter()
     for step in range(state.step, cfg.steps):
         try:
-            loss = _step(model, opt, sched, data, replicated, experts, step, rank, world, cfg, device,
-                         inject(fault, step, rank))
+            loss = _step(ctx, run, opt, sched, data, replicated, experts, step, inject(fault, step, rank))
             state.step = step + 1
             result["steps"].append(step)
             result["loss"].append(loss)
@@ -160,24 +178,39 @@ def train_run(spec: RunSpec, result: dict, *, device: torch.device | None = None
         if on_step is not None and rank == 0:
             on_step(step, loss)
     if spec.task is not None and spec.data_path is None and cfg.eval_sequences > 0:
-        result["recall"] = recall(model, spec.task, cfg, device, dist.group.WORLD if world > 1 else None)
+        result["recall"] = recall(model, spec.task, cfg, device, dist.group.WORLD if ctx.dp_world > 1 else None)
     result["seconds"] = time.perf_counter() - start
     return result
 
 
-def _step(model, opt, sched, data, replicated, experts, step, rank, world, cfg, device, poison: bool) -> float:
-    tokens, targets, cu, n = data.batch(step, rank, world)
+@dataclass(frozen=True)
+class _Ctx:
+    rank: int
+    world: int
+    dp_rank: int  #: this rank's share of the global batch, of ``dp_world``
+    dp_world: int
+    ep_group: object  #: the MoE layers' raw EP group in the replicated-tokens mode, else None
+    cfg: TrainConfig
+    device: torch.device
+
+
+def _step(ctx: _Ctx, model, opt, sched, data, replicated, experts, step, poison: bool) -> float:
+    cfg, device = ctx.cfg, ctx.device
+    tokens, targets, cu, n = data.batch(step, ctx.dp_rank, ctx.dp_world)
     logits, aux = model(tokens.to(device), cu.tolist())
     ce = F.cross_entropy(logits, targets.to(device), ignore_index=IGNORE_INDEX, reduction="sum")
     if poison:
         ce = ce * math.nan
     total = ce.detach()
-    if world > 1:
-        stats = torch.zeros(1 + world, dtype=ce.dtype, device=device)
-        stats[0] = total
-        stats[1 + rank] = float(not torch.isfinite(total))
+    if ctx.world > 1:
+        stats = torch.zeros(1 + ctx.world, dtype=ce.dtype, device=device)
+        if ctx.dp_world > 1:  # the ranks' shares; with replicated tokens every rank holds the whole sum
+            stats[0] = total
+        stats[1 + ctx.rank] = float(not torch.isfinite(total))
         dist.all_reduce(stats)
-        total, bad = stats[0], nonfinite_ranks(stats[1:])
+        bad = nonfinite_ranks(stats[1:])
+        if ctx.dp_world > 1:
+            total = stats[0]
     else:
         bad = [] if torch.isfinite(total) else [0]
     loss = float(total / n + aux.detach())
@@ -185,12 +218,12 @@ def _step(model, opt, sched, data, replicated, experts, step, rank, world, cfg, 
         raise TrainingStopped(step, f"non-finite loss on rank(s) {bad} (global loss {loss}); every rank stopped "
                                     "before the optimizer step")
     opt.zero_grad(set_to_none=False)
-    (ce / (n // world) + aux).backward()
+    (ce / (n // ctx.dp_world) + aux).backward()
     for p in replicated + experts:  # a parameter no token reached this step
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    if world == 1:  # the demo's clipping, term for term
-        norm = grad_norm_sq(replicated, experts).sqrt()
+    if ctx.dp_world == 1:  # the demo's clipping, term for term (the experts gathered in global order)
+        norm = grad_norm_sq(replicated, experts, ctx.ep_group).sqrt()
         coef = (cfg.clip / (norm + 1e-6)).clamp(max=1.0)
         for p in replicated + experts:
             p.grad.mul_(coef)
