@@ -272,5 +272,5 @@ def test_hung_rank_ends_the_job_within_the_timeout(tmp_path):
     rc, out, seconds = torchrun(2, [*ARGV[1:], *LAYOUT, "--comm-timeout", str(timeout)],
                                 SPARSEOPS_TRAIN_FAULT="hang:rank=1:step=1")
     assert rc != 0
-    assert "rank 0: stopped at step 1: rank 0: " in out and "Timed out" in out, out
+    assert "rank 0: stopped at step 1: RuntimeError on rank 0: " in out and "Timed out" in out, out
     assert seconds < timeout + 60, seconds

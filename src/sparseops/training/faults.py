@@ -83,5 +83,5 @@ def nonfinite_ranks(flags: torch.Tensor) -> list[int]:
 def collective_failure(step: int, rank: int, timeout: float, exc: BaseException) -> TrainingStopped:
     """The error of a collective that raised on this rank (a peer stopped responding or died)."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return TrainingStopped(step, f"rank {rank}: {type(exc).__name__}: {first} (a collective that fails here: a rank "
-                                 f"stopped responding within --comm-timeout {timeout:g} s, or died)")
+    return TrainingStopped(step, f"{type(exc).__name__} on rank {rank}: {first} (a collective that fails here: a "
+                                 f"rank stopped responding within --comm-timeout {timeout:g} s, or died)")
