@@ -136,7 +136,7 @@ def _train_torchrun(args, task, model_cfg, train_cfg, ep: int) -> dict:
     layout = ["--ep", str(ep), "--replicated-tokens"] if args.ep_mode == "replicated" else [
         "--dp-shard", str(ep), "--ep", str(ep)]
     argv = [*config_argv(task, model_cfg, train_cfg), *layout, "--dispatcher", args.dispatcher, "--dtype",
-            args.dtype, *(["--compile"] if args.compile else [])]
+            args.dtype, "--device", "cpu", *(["--compile"] if args.compile else [])]
     on_step, close = _progress(f"EP = {ep}", train_cfg.steps)
     tokens = train_cfg.batch_size * task.seq_len
     try:

@@ -61,6 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="held-out recall sequences evaluated at the end (0: none; the recall task only)")
     g.add_argument("--eval-batch", type=int, default=None, metavar="N", help="sequences per evaluation batch")
     g.add_argument("--threads", type=int, default=None, metavar="N", help="torch threads per process")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: CUDA (rank LOCAL_RANK's device, NCCL + gloo) when present, else the CPU (gloo)")
     g.add_argument("--compile", action="store_true", help="train torch.compile(model) (the MoE layers eager)")
     g.add_argument("--log-every", type=int, default=10, metavar="N", help="print the loss every N steps (0: never)")
     g = parser.add_argument_group("data")
@@ -252,7 +254,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if env is not None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
