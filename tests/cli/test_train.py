@@ -105,6 +105,22 @@ def test_token_file(tmp_path, one_thread):
     assert len(r["loss"]) == 4 and r["loss"][-1] < r["loss"][0] and r["recall"] is None and r["data"].endswith("t.bin")
 
 
+def test_config_argv_spells_out_every_setting():
+    """The demo's EP rerun passes its settings as flags: they must come back whole (rope_theta None too)."""
+    import argparse
+    import dataclasses
+
+    from sparseops.cli import train as cli_train
+    from sparseops.models.train import demo_setup
+
+    task, model, cfg = demo_setup(seed=3)
+    task, model = dataclasses.replace(task, num_pairs=3), model.replace(top_k=1)  # not the defaults
+    parser = argparse.ArgumentParser()
+    cli_train.add_arguments(parser)
+    spec = cli_train.build_spec(parser.parse_args(config_argv(task, model, cfg)), 1)
+    assert spec.task == task and spec.model == model and spec.optim == cfg and model.rope_theta is None
+
+
 @pytest.mark.parametrize("world, extra, match", [
     (4, ["--dp-shard", "3"], "--dp-shard: expected --dp-replicate . --dp-shard = the world size 4"),
     (4, ["--dp-replicate", "3"], "--dp-replicate: expected a divisor of the world size 4, got 3"),
