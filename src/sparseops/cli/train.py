@@ -156,8 +156,8 @@ def build_spec(args: argparse.Namespace, world: int):
     from ..training import checkpoint
     from ..training.loop import RunSpec
 
-    for name, lo in (("steps", 1), ("global_batch", 1), ("seq_len", 1), ("warmup", 0), ("eval_sequences", 0), ("eval_batch", 1),
-                     ("threads", 1), ("log_every", 0), ("save_every", 1), ("vocab_size", 1)):
+    for name, lo in (("steps", 1), ("global_batch", 1), ("seq_len", 1), ("warmup", 0), ("eval_sequences", 0),
+                     ("eval_batch", 1), ("threads", 1), ("log_every", 0), ("save_every", 1), ("vocab_size", 1)):
         _check_int(args, name, lo)
     if not args.comm_timeout > 0:
         raise _Bad(f"--comm-timeout: expected a number of seconds > 0, got {args.comm_timeout}")
