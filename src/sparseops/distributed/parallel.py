@@ -228,12 +228,15 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, data_parallel: str = "f
     device_type = _device_type(model)
     dims = dims.build(device_type)
     expert_mesh = dims.mesh("expert", device_type)
-    expert_dp = expert_mesh["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else expert_mesh["efsdp"]
+    # the experts' FSDP mesh: HSDP over (dp_replicate, efsdp) when both are > 1, else the one that is > 1
+    # (never a dimension of one rank: its reduction divides twice by a custom factor, docs/training.md "Traps")
+    axes = tuple(a for a in ("dp_replicate", "efsdp") if getattr(dims, a) > 1)
+    expert_dp = expert_mesh[axes] if len(axes) == 2 else expert_mesh[axes[0]] if axes else None
     W = float(dims.world_size)
     loose = []  # experts no FSDP unit manages: the dense units must leave them alone
     for layer in layers:
         _shard_experts(layer, dims, device_type)
-        if dims.dp_replicate * dims.efsdp > 1:
+        if expert_dp is not None:
             fully_shard(layer.experts, mesh=expert_dp, shard_placement_fn=lambda p: Shard(1))
             # an expert's gradient arrives summed over its ep group's losses: summed over the data-parallel
             # replicas of its shard it is the sum over all W ranks' losses, of which the global loss is the mean

@@ -195,7 +195,8 @@ class MoELayer(nn.Module):
         if self.shared is not None:
             y = y + self.shared(x2)
         dropped = int(round(routed_slots)) - int(sum(kept_g))
-        return y.view(x.shape), MoEAux(loss, torch.tensor(kept_g, dtype=torch.int64, device=x.device), dropped)
+        y = y if y.shape == x.shape else y.view(x.shape)  # no view of [T, H] (FSDP2 warns about returned views)
+        return y, MoEAux(loss, torch.tensor(kept_g, dtype=torch.int64, device=x.device), dropped)
 
     def _dispatch(self, x2, indices, probs, routed, psum, zsum):
         """Each rank's own tokens: ``(y, loss, the batch's routed slots, its kept slots per expert)``.
