@@ -341,3 +341,25 @@ def test_dims_bad_input_without_a_process_group():
     assert ParallelDims(dp_replicate=2, ep=2).resolve(8).efsdp == 2
     with pytest.raises(RuntimeError, match="process group"):
         parallelize(_model(), ParallelDims())
+
+
+def _stalled(rank: int, world: int) -> str:
+    """Rank 1 never joins a collective on a layout group: rank 0's wait ends after the layout's timeout."""
+    import time
+
+    dims = ParallelDims(ep=2).build("cpu", timeout=1.5)
+    group = dims.mesh("expert", "cpu").get_group("ep")
+    if rank == 1:
+        time.sleep(5)
+        return "skipped"
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=group)
+        return "no error"
+    except RuntimeError:
+        return f"raised after {time.monotonic() - start:.1f} s"
+
+
+def test_w2_layout_groups_time_out():
+    got = spawn(_stalled, 2, timeout=60.0)[0]
+    assert got.startswith("raised after") and float(got.split()[2]) < 5, got
