@@ -68,21 +68,27 @@ def _model(**kw) -> Net:
     return Net(**kw)
 
 
-def _batch(step: int, rank: int, world: int):
-    """This rank's equal share of the global batch of ``step`` (a function of the seed and the step only)."""
+def _batch(step: int, rank: int, world: int, micro: int = 1, m: int = 0, split: int | None = None):
+    """This rank's equal share of micro-batch ``m`` of ``micro`` of the global batch of ``step`` (a function of
+    the seed and the step only). Micro-batch m holds the m-th piece of each of ``split`` ranks' shares
+    (``split``: the world size of the parallel run it is compared with; default ``world``)."""
     g = torch.Generator().manual_seed(SEED * 1000 + step)
     tokens = torch.randint(0, V, (BATCH, SEQ + 1), generator=g)
-    per = BATCH // world
-    mine = tokens[rank * per:(rank + 1) * per]
-    return mine[:, :-1].reshape(-1), mine[:, 1:].reshape(-1), (torch.arange(per + 1) * SEQ).tolist()
+    split = world if split is None else split
+    per, pm = BATCH // split, BATCH // split // micro
+    rows = [q * per + m * pm + i for q in range(split) for i in range(pm)]
+    mine = tokens[rows[rank * len(rows) // world:(rank + 1) * len(rows) // world]]
+    n = mine.shape[0]
+    return mine[:, :-1].reshape(-1), mine[:, 1:].reshape(-1), (torch.arange(n + 1) * SEQ).tolist()
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _train(model, rank: int, world: int, load=None, save=None) -> dict:
-    """Steps ``[0, STEPS)`` (from SAVE_AT when loading a checkpoint written after SAVE_AT steps)."""
+def _train(model, rank: int, world: int, load=None, save=None, micro: int = 1, split: int | None = None) -> dict:
+    """Steps ``[0, STEPS)`` (from SAVE_AT when loading a checkpoint written after SAVE_AT steps), each step
+    accumulating the gradients of ``micro`` micro-batches (``split``: see :func:`_batch`)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     start = 0
     if load is not None:
@@ -90,17 +96,20 @@ def _train(model, rank: int, world: int, load=None, save=None) -> dict:
         start = SAVE_AT
     losses, grads = [None] * start, None
     for step in range(start, STEPS):
-        tokens, targets, cu = _batch(step, rank, world)
-        logits, aux = model(tokens, cu)
-        loss = F.cross_entropy(logits, targets) + aux
-        loss.backward()
+        loss = 0.0
+        for m in range(micro):
+            tokens, targets, cu = _batch(step, rank, world, micro, m, split)
+            logits, aux = model(tokens, cu)
+            part = (F.cross_entropy(logits, targets) + aux) / micro
+            part.backward()
+            loss = loss + part.detach()
         if step == 0:
             grads = {n: _full(p.grad).clone() for n, p in model.named_parameters()}
         clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
         opt.zero_grad()
         update_expert_bias(model, rate=1e-2)
-        value = loss.detach().clone()
+        value = loss.clone()
         if world > 1:
             dist.all_reduce(value)
         losses.append(float(value) / world)
@@ -227,7 +236,8 @@ def _faults() -> dict:
 
 def _worker2(rank: int, world: int, path: str) -> dict:
     out = {"fsdp": _train(parallelize(_model(), ParallelDims(ep=2)), rank, world, save=f"{path}/w2_fsdp_ep2"),
-           "ddp": _train(parallelize(_model(), ParallelDims(ep=2), data_parallel="ddp"), rank, world)}
+           "ddp": _train(parallelize(_model(), ParallelDims(ep=2), data_parallel="ddp"), rank, world),
+           "accumulate": _train(parallelize(_model(), ParallelDims(ep=2)), rank, world, micro=2)}
     x, g = _layer_inputs()
     mine = slice(0, 7) if rank == 0 else slice(7, 7)  # rank 1 has no tokens
     layer = parallelize(_Layer(), ParallelDims(ep=2))
@@ -256,6 +266,11 @@ def test_w2_fsdp_and_ddp_ep2(w2, oracle):
     _check(w2[0]["fsdp"], oracle, "W=2 fsdp ep=2")
     _check(w2[0]["ddp"], oracle, "W=2 ddp ep=2")
     assert all(b.abs().sum() > 0 for b in oracle["bias"].values())  # the balancing moved
+
+
+def test_w2_gradient_accumulation(w2):
+    # two micro-batches per step, each one's aux loss over its own global micro-batch, as in one process
+    _check(w2[0]["accumulate"], _train(_model(), 0, 1, micro=2, split=2), "W=2 fsdp ep=2, 2 micro-batches")
 
 
 def test_w2_rank_without_tokens(w2):
