@@ -237,7 +237,9 @@ def _faults() -> dict:
 def _worker2(rank: int, world: int, path: str) -> dict:
     out = {"fsdp": _train(parallelize(_model(), ParallelDims(ep=2)), rank, world, save=f"{path}/w2_fsdp_ep2"),
            "ddp": _train(parallelize(_model(), ParallelDims(ep=2), data_parallel="ddp"), rank, world),
-           "accumulate": _train(parallelize(_model(), ParallelDims(ep=2)), rank, world, micro=2)}
+           "accumulate": _train(parallelize(_model(), ParallelDims(ep=2)), rank, world, micro=2),
+           "accumulate_ddp": _train(parallelize(_model(), ParallelDims(ep=2), data_parallel="ddp"), rank, world,
+                                    micro=2)}
     x, g = _layer_inputs()
     mine = slice(0, 7) if rank == 0 else slice(7, 7)  # rank 1 has no tokens
     layer = parallelize(_Layer(), ParallelDims(ep=2))
@@ -270,7 +272,10 @@ def test_w2_fsdp_and_ddp_ep2(w2, oracle):
 
 def test_w2_gradient_accumulation(w2):
     # two micro-batches per step, each one's aux loss over its own global micro-batch, as in one process
-    _check(w2[0]["accumulate"], _train(_model(), 0, 1, micro=2, split=2), "W=2 fsdp ep=2, 2 micro-batches")
+    # (each rank's expert counts of the first micro-batch must survive the second forward, also under DDP)
+    oracle = _train(_model(), 0, 1, micro=2, split=2)
+    _check(w2[0]["accumulate"], oracle, "W=2 fsdp ep=2, 2 micro-batches")
+    _check(w2[0]["accumulate_ddp"], oracle, "W=2 ddp ep=2, 2 micro-batches")
 
 
 def test_w2_rank_without_tokens(w2):

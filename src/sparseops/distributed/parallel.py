@@ -235,7 +235,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, data_parallel: str = "f
     (``Shard(0)`` over ``ep``, FSDP2-sharded along dim 1 over ``efsdp``, replicated over ``dp_replicate``); its
     aux loss and counts then cover the global batch. The other parameters are FSDP2-sharded over
     ``(dp_replicate, dp_shard)`` (``"fsdp"``, HSDP when ``dp_replicate > 1``; every ``nn.ModuleList`` entry and
-    every MoE layer its own unit) or replicated with DDP's gradient all-reduce over the world (``"ddp"``).
+    every MoE layer its own unit) or replicated with DDP's gradient all-reduce over the world (``"ddp"``,
+    buffers not broadcast).
 
     Then each rank's loss is the mean over its equal share of the global batch, and after ``backward`` every
     parameter's gradient (its ``full_tensor()``) is the one-process gradient of the global mean loss
@@ -287,7 +288,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, data_parallel: str = "f
         from torch.distributed._composable.replicate import replicate
 
         loose_ids = {id(p) for p in loose}
-        replicate(model, device_mesh=dims.mesh("dp", device_type),
+        # buffers stay per rank, as under FSDP: the routers' expert counts are per-rank buffers that
+        # update_expert_bias sums (replicate's DDP holds only the parameters; said explicitly here)
+        replicate(model, device_mesh=dims.mesh("dp", device_type), broadcast_buffers=False,
                   ignored_modules=[la.experts for la in layers if any(id(p) in loose_ids for p in la.experts.parameters())])
     setattr(model, _MARK, f"{dims}, data_parallel={data_parallel!r}")
     return model

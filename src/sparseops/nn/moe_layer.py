@@ -73,6 +73,13 @@ class MoELayer(nn.Module):
       one-process gradient: reduce them with the data-parallel gradient sync, as any replicated parameter;
     - every parameter gets a gradient tensor on every rank (zeros where no token reached it, also at T = 0).
 
+    ``sparseops.distributed.parallelize`` is the way to train it on many processes (docs/training.md): built
+    without ``ep_group``, the model's layers get their ``ep`` group there, the experts become DTensors of the
+    global shape and the losses and counts cover the global batch. ``forward`` calls ``router``, ``experts`` and
+    ``shared`` through ``__call__``, so hooks on them (FSDP2, forward hooks, checkpointing) run. With a raw
+    ``ep_group``, ``state_dict()`` holds the local experts as DTensors of the global shape ``[E, ...]`` (a DCP
+    save writes all E experts), and DistributedDataParallel around the layer raises at its first forward.
+
     With ``replicated_tokens=True`` every rank passes the same tokens instead (expert parallelism without
     data parallelism: the layers around run the whole batch on every rank). Every rank routes all of them
     alike, rank r sends the r-th of ``ep`` consecutive token blocks to the experts, and the outputs are
