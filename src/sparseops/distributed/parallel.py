@@ -288,9 +288,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, data_parallel: str = "f
         from torch.distributed._composable.replicate import replicate
 
         loose_ids = {id(p) for p in loose}
-        # buffers stay per rank, as under FSDP: the routers' expert counts are per-rank buffers that
-        # update_expert_bias sums (replicate's DDP holds only the parameters; said explicitly here)
-        replicate(model, device_mesh=dims.mesh("dp", device_type), broadcast_buffers=False,
+        # buffers stay per rank, as under FSDP (replicate's DDP holds only the parameters): the routers'
+        # expert counts are per-rank buffers that update_expert_bias sums
+        replicate(model, device_mesh=dims.mesh("dp", device_type),
                   ignored_modules=[la.experts for la in layers if any(id(p) in loose_ids for p in la.experts.parameters())])
     setattr(model, _MARK, f"{dims}, data_parallel={data_parallel!r}")
     return model
