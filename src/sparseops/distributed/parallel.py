@@ -10,6 +10,7 @@ parameter is FSDP2-sharded (HSDP with ``dp_replicate > 1``) or replicated by DDP
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from dataclasses import dataclass
 
 import torch
@@ -96,35 +97,58 @@ class ParallelDims:
         if self.dp_shard == -1:
             raise ValueError("dp_shard: expected a resolved layout (call resolve(world_size)), got -1")
 
-    def build(self, device_type: str) -> ParallelDims:
+    def build(self, device_type: str, timeout: datetime.timedelta | float | None = None) -> ParallelDims:
         """The resolved layout with its meshes: ``dense`` ``(dp_replicate, dp_shard)``, ``expert``
         ``(dp_replicate, efsdp, ep)`` and ``dp`` ``(W,)``, each from ``init_device_mesh`` on ``device_type``.
 
         Needs the process group (torchrun's environment); the layout is checked against its world size first,
-        so a bad one raises ``ValueError`` before any collective."""
+        so a bad one raises ``ValueError`` before any collective. ``timeout`` (a timedelta or seconds): of every
+        collective on the meshes' groups, so a rank that stops responding ends the others' wait with an error
+        (None: torch's default for new groups, 30 minutes; the world group keeps its own)."""
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("ParallelDims.build: expected an initialized torch.distributed process group "
                                "(run under torchrun, or call init_process_group first)")
         dims = self.resolve(dist.get_world_size())
-        key = device_type
+        if timeout is not None and not isinstance(timeout, datetime.timedelta):
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+                raise ValueError(f"timeout: expected None, a timedelta or a number of seconds > 0, got {timeout!r}")
+            timeout = datetime.timedelta(seconds=float(timeout))
+        key = (device_type, timeout)
         if key not in dims._meshes:
             from torch.distributed.device_mesh import init_device_mesh
 
+            def mesh(shape, names):
+                return init_device_mesh(device_type, shape, mesh_dim_names=names,
+                                        backend_override=_overrides(device_type, timeout, len(shape)))
+
             dims._meshes[key] = {
-                "dense": init_device_mesh(device_type, (dims.dp_replicate, dims.dp_shard),
-                                          mesh_dim_names=("dp_replicate", "dp_shard")),
-                "expert": init_device_mesh(device_type, (dims.dp_replicate, dims.efsdp, dims.ep),
-                                           mesh_dim_names=("dp_replicate", "efsdp", "ep")),
-                "dp": init_device_mesh(device_type, (dims.world_size,), mesh_dim_names=("dp",)),
+                "dense": mesh((dims.dp_replicate, dims.dp_shard), ("dp_replicate", "dp_shard")),
+                "expert": mesh((dims.dp_replicate, dims.efsdp, dims.ep), ("dp_replicate", "efsdp", "ep")),
+                "dp": mesh((dims.world_size,), ("dp",)),
             }
+            dims._meshes[device_type] = dims._meshes[key]  # the meshes parallelize uses
         return dims
 
     def mesh(self, name: str, device_type: str):
-        """One of the meshes of :meth:`build` (``"dense"``, ``"expert"`` or ``"dp"``)."""
-        dims = self.build(device_type)
+        """One of the meshes of :meth:`build` (``"dense"``, ``"expert"`` or ``"dp"``; built if needed)."""
+        dims = self if device_type in self._meshes else self.build(device_type)
         if name not in ("dense", "expert", "dp"):
             raise ValueError(f"name: expected 'dense', 'expert' or 'dp', got {name!r}")
         return dims._meshes[device_type][name]
+
+
+def _overrides(device_type: str, timeout: datetime.timedelta | None, ndim: int) -> dict | None:
+    """``init_device_mesh``'s ``backend_override`` giving every dimension's group ``timeout``."""
+    if timeout is None:
+        return None
+    if device_type == "cuda":
+        backend, options = "nccl", dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+    else:
+        from torch._C._distributed_c10d import Backend as _C10dBackend
+
+        backend, options = "gloo", _C10dBackend.Options("gloo", timeout)
+    return {i: (backend, options) for i in range(ndim)}
 
 
 def _device_type(model: nn.Module) -> str:
@@ -202,7 +226,8 @@ def _fsdp_options(module, device_type: str, divide: float | None = None) -> None
         module.set_force_sum_reduction_for_comms(True)
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, *, data_parallel: str = "fsdp") -> nn.Module:
+def parallelize(model: nn.Module, dims: ParallelDims, *, data_parallel: str = "fsdp",
+                timeout: datetime.timedelta | float | None = None) -> nn.Module:
     """Spread ``model`` over the world as ``dims`` lays it out, in place; returns ``model``.
 
     Every rank passes the same full model (same seed). Each :class:`~sparseops.nn.MoELayer` keeps on rank
@@ -210,11 +235,14 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, data_parallel: str = "f
     (``Shard(0)`` over ``ep``, FSDP2-sharded along dim 1 over ``efsdp``, replicated over ``dp_replicate``); its
     aux loss and counts then cover the global batch. The other parameters are FSDP2-sharded over
     ``(dp_replicate, dp_shard)`` (``"fsdp"``, HSDP when ``dp_replicate > 1``; every ``nn.ModuleList`` entry and
-    every MoE layer its own unit) or replicated with DDP's gradient all-reduce over the world (``"ddp"``).
+    every MoE layer its own unit) or replicated with DDP's gradient all-reduce over the world (``"ddp"``,
+    buffers not broadcast).
 
     Then each rank's loss is the mean over its equal share of the global batch, and after ``backward`` every
     parameter's gradient (its ``full_tensor()``) is the one-process gradient of the global mean loss
     (docs/training.md, "Gradients"). ``model.state_dict()`` keys are the one-process keys.
+
+    ``timeout``: of every collective on the layout's groups (see :meth:`ParallelDims.build`).
 
     Raises:
         ValueError: a layout that does not match the world, an ``ep`` that does not divide ``dp_shard`` or a
@@ -226,14 +254,17 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, data_parallel: str = "f
 
     dims, layers = _check(model, dims, data_parallel)
     device_type = _device_type(model)
-    dims = dims.build(device_type)
+    dims = dims.build(device_type, timeout)
     expert_mesh = dims.mesh("expert", device_type)
-    expert_dp = expert_mesh["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else expert_mesh["efsdp"]
+    # the experts' FSDP mesh: HSDP over (dp_replicate, efsdp) when both are > 1, else the one that is > 1
+    # (never a dimension of one rank: its reduction divides twice by a custom factor, docs/training.md "Traps")
+    axes = tuple(a for a in ("dp_replicate", "efsdp") if getattr(dims, a) > 1)
+    expert_dp = expert_mesh[axes] if len(axes) == 2 else expert_mesh[axes[0]] if axes else None
     W = float(dims.world_size)
     loose = []  # experts no FSDP unit manages: the dense units must leave them alone
     for layer in layers:
         _shard_experts(layer, dims, device_type)
-        if dims.dp_replicate * dims.efsdp > 1:
+        if expert_dp is not None:
             fully_shard(layer.experts, mesh=expert_dp, shard_placement_fn=lambda p: Shard(1))
             # an expert's gradient arrives summed over its ep group's losses: summed over the data-parallel
             # replicas of its shard it is the sum over all W ranks' losses, of which the global loss is the mean
@@ -257,6 +288,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, data_parallel: str = "f
         from torch.distributed._composable.replicate import replicate
 
         loose_ids = {id(p) for p in loose}
+        # buffers stay per rank, as under FSDP (replicate's DDP holds only the parameters): the routers'
+        # expert counts are per-rank buffers that update_expert_bias sums
         replicate(model, device_mesh=dims.mesh("dp", device_type),
                   ignored_modules=[la.experts for la in layers if any(id(p) in loose_ids for p in la.experts.parameters())])
     setattr(model, _MARK, f"{dims}, data_parallel={data_parallel!r}")

@@ -73,6 +73,13 @@ class MoELayer(nn.Module):
       one-process gradient: reduce them with the data-parallel gradient sync, as any replicated parameter;
     - every parameter gets a gradient tensor on every rank (zeros where no token reached it, also at T = 0).
 
+    ``sparseops.distributed.parallelize`` is the way to train it on many processes (docs/training.md): built
+    without ``ep_group``, the model's layers get their ``ep`` group there, the experts become DTensors of the
+    global shape and the losses and counts cover the global batch. ``forward`` calls ``router``, ``experts`` and
+    ``shared`` through ``__call__``, so hooks on them (FSDP2, forward hooks, checkpointing) run. With a raw
+    ``ep_group``, ``state_dict()`` holds the local experts as DTensors of the global shape ``[E, ...]`` (a DCP
+    save writes all E experts), and DistributedDataParallel around the layer raises at its first forward.
+
     With ``replicated_tokens=True`` every rank passes the same tokens instead (expert parallelism without
     data parallelism: the layers around run the whole batch on every rank). Every rank routes all of them
     alike, rank r sends the r-th of ``ep`` consecutive token blocks to the experts, and the outputs are
@@ -195,7 +202,8 @@ class MoELayer(nn.Module):
         if self.shared is not None:
             y = y + self.shared(x2)
         dropped = int(round(routed_slots)) - int(sum(kept_g))
-        return y.view(x.shape), MoEAux(loss, torch.tensor(kept_g, dtype=torch.int64, device=x.device), dropped)
+        y = y if y.shape == x.shape else y.view(x.shape)  # no view of [T, H] (FSDP2 warns about returned views)
+        return y, MoEAux(loss, torch.tensor(kept_g, dtype=torch.int64, device=x.device), dropped)
 
     def _dispatch(self, x2, indices, probs, routed, psum, zsum):
         """Each rank's own tokens: ``(y, loss, the batch's routed slots, its kept slots per expert)``.
