@@ -12,13 +12,13 @@ One step, at every layout alike (and bitwise the one-process ``sparseops.models.
         finite; AdamW step; LambdaLR step (linear warm-up, cosine to 0)
     checkpoint every S steps and at the end (training/checkpoint.py)
 
-Collectives are bounded by ``--comm-timeout``: the process group's timeout, set on every group the layout
-made, so a rank that stops responding makes its peers raise instead of wait (training/faults.py).
+Collectives are bounded by ``--comm-timeout``: the process group's timeout, given to every group the layout
+makes (``parallelize(timeout=)``), so a rank that stops responding makes its peers raise instead of wait
+(training/faults.py).
 """
 
 from __future__ import annotations
 
-import datetime
 import math
 import time
 from collections.abc import Callable
@@ -91,28 +91,11 @@ def make_data(spec: RunSpec):
                      vocab_size=spec.model.vocab_size or None)
 
 
-def _bound_timeouts(model: torch.nn.Module, timeout: datetime.timedelta) -> None:
-    """Give every process group of the layout (meshes of the DTensor parameters, the MoE layers' EP groups)
-    the run's timeout: DeviceMesh creates its sub-groups with torch's default (30 minutes on gloo)."""
-    groups = {}
-    for p in model.parameters():
-        mesh = getattr(p, "device_mesh", None)
-        if mesh is not None:
-            for i in range(mesh.ndim):
-                g = mesh.get_group(i)
-                groups[id(g)] = g
-    for m in model.modules():
-        g = getattr(m, "ep_group", None)
-        if g is not None:
-            groups[id(g)] = g
-    for g in groups.values():
-        dist.distributed_c10d._set_pg_timeout(timeout, g)
-
-
 def _parallelize(model: torch.nn.Module, layout: Layout, timeout: float) -> None:
+    """``parallelize`` with every group of the layout given the run's timeout (DeviceMesh would create its
+    sub-groups with torch's default, 30 minutes on gloo)."""
     dims = ParallelDims(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, ep=layout.ep)
-    parallelize(model, dims, data_parallel=layout.data_parallel)
-    _bound_timeouts(model, datetime.timedelta(seconds=timeout))
+    parallelize(model, dims, data_parallel=layout.data_parallel, timeout=timeout)
 
 
 def train_run(spec: RunSpec, result: dict, *, device: torch.device | None = None, data=None,
@@ -140,9 +123,7 @@ def train_run(spec: RunSpec, result: dict, *, device: torch.device | None = None
                dist.group.WORLD if replicated_tokens else None, cfg, device)
     model = build_model(model_cfg, cfg.seed, spec.dtype, device, ep_group=ctx.ep_group,
                         dispatcher=layout.dispatcher)
-    if replicated_tokens:
-        _bound_timeouts(model, datetime.timedelta(seconds=spec.comm_timeout))
-    elif world > 1:
+    if world > 1 and not replicated_tokens:  # replicated tokens: the MoE layers on the world group
         _parallelize(model, layout, spec.comm_timeout)
     run = torch.compile(model) if spec.compile else model
     named = list(model.named_parameters())
