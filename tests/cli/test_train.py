@@ -133,8 +133,10 @@ def test_config_argv_spells_out_every_setting():
     (1, ["--comm-timeout", "0"], "--comm-timeout: expected a number of seconds > 0"),
     (1, ["--seq-len", "20"], "the recall task .--seq-len, --recall-.*: seq_len: expected >"),
     (1, ["--data", "{tmp}/missing.bin"], "path: expected a token file"),
+    (2, ["--replicated-tokens", "--ep", "1", "--dp-shard", "2"], "--replicated-tokens: expected no --dp-replicate"),
 ], ids=["world-mismatch", "replicate-not-dividing", "ep-not-dividing-shard", "ep-not-dividing-experts",
-        "batch-not-dividing", "resume-nothing", "save-every-alone", "no-steps", "no-timeout", "task", "no-file"])
+        "batch-not-dividing", "resume-nothing", "save-every-alone", "no-steps", "no-timeout", "task", "no-file",
+        "replicated-with-dp"])
 def test_bad_flags_exit_2_before_any_collective(tmp_path, monkeypatch, capsys, world, extra, match):
     """torchrun's environment without a rendezvous behind it: a check after init_process_group would hang or fail
     otherwise (within the 5 s --comm-timeout, the rendezvous's timeout too); the message names the flag and nothing
@@ -145,7 +147,7 @@ def test_bad_flags_exit_2_before_any_collective(tmp_path, monkeypatch, capsys, w
             monkeypatch.setenv(k, v)
     extra = ["--comm-timeout", "5", *(x.replace("{tmp}", str(tmp_path)) for x in extra)]
     assert main([*ARGV, *extra, "--json", str(tmp_path / "r.json"), "--save", str(tmp_path / "ck")]
-                if "--save-every" not in extra else [*ARGV, *extra]) == 2
+                if not {"--save-every", "--replicated-tokens"} & set(extra) else [*ARGV, *extra]) == 2
     assert re.search(match, capsys.readouterr().err)
     assert not (tmp_path / "r.json").exists() and not (tmp_path / "ck").exists()
 
@@ -290,3 +292,14 @@ def test_hung_rank_ends_the_job_within_the_timeout(tmp_path):
     assert rc != 0
     assert "rank 0: stopped at step 1: RuntimeError on rank 0: " in out and "Timed out" in out, out
     assert seconds < timeout + 60, seconds
+
+
+@pytest.mark.distributed
+def test_replicated_tokens_is_bitwise_the_one_process_run(oracle, tmp_path):
+    """``--replicated-tokens`` (the demo's exact EP mode): every rank runs the whole batch, the MoE layers split
+    its tokens: every float64 loss and the recall are bitwise the one-process run's."""
+    rc, out, _ = torchrun(2, [*ARGV[1:], *F64, "--ep", "2", "--replicated-tokens", "--json", str(tmp_path / "r.json")])
+    assert rc == 0, out
+    r, one = _json(tmp_path / "r.json"), _json(oracle / "one.json")
+    assert r["dims"] == {"dp_replicate": 1, "dp_shard": 1, "ep": 2} and r["data_parallel"] == "none"
+    assert r["loss"] == one["loss"] and r["recall"] == one["recall"]
