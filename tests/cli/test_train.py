@@ -29,6 +29,16 @@ CFG = TrainConfig(steps=4, batch_size=4, lr=1e-2, warmup=1, eval_sequences=4, ev
 ARGV = ["train", *config_argv(TINY_TASK, MODEL, CFG), "--threads", "1", "--log-every", "1"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def eager_cpu_kernels():
+    """The library's eager CPU kernels in this process and in every torchrun rank (``SPARSEOPS_COMPILE=0``): each
+    fresh process would otherwise spend its first step compiling them. Oracle and parallel runs use the same
+    kernels; the compiled ones under torchrun are tests/cli/test_demo.py's (the EP rerun, bitwise)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPARSEOPS_COMPILE", "0")
+        yield
+
+
 @pytest.fixture
 def one_thread():
     n = torch.get_num_threads()
