@@ -237,6 +237,7 @@ def _faults() -> dict:
 def _worker2(rank: int, world: int, path: str) -> dict:
     out = {"fsdp": _train(parallelize(_model(), ParallelDims(ep=2)), rank, world, save=f"{path}/w2_fsdp_ep2"),
            "ddp": _train(parallelize(_model(), ParallelDims(ep=2), data_parallel="ddp"), rank, world),
+           "ep1": _train(parallelize(_model(), ParallelDims(ep=1)), rank, world),
            "accumulate": _train(parallelize(_model(), ParallelDims(ep=2)), rank, world, micro=2),
            "accumulate_ddp": _train(parallelize(_model(), ParallelDims(ep=2), data_parallel="ddp"), rank, world,
                                     micro=2)}
@@ -267,6 +268,7 @@ def w2(ckpt_dir) -> list:
 def test_w2_fsdp_and_ddp_ep2(w2, oracle):
     _check(w2[0]["fsdp"], oracle, "W=2 fsdp ep=2")
     _check(w2[0]["ddp"], oracle, "W=2 ddp ep=2")
+    _check(w2[0]["ep1"], oracle, "W=2 fsdp ep=1 (experts FSDP-sharded over efsdp=2)")
     assert all(b.abs().sum() > 0 for b in oracle["bias"].values())  # the balancing moved
 
 

@@ -186,6 +186,10 @@ def _check(model: nn.Module, dims: ParallelDims, data_parallel: str) -> tuple[Pa
         if layer.num_experts % dims.ep:
             raise ValueError(f"ep: expected a divisor of every MoE layer's num_experts, got ep = {dims.ep} and "
                              f"num_experts = {layer.num_experts}")
+        for name, p in layer.experts.named_parameters(recurse=False):
+            if p.dim() == 0 or p.shape[0] != layer.num_experts:
+                raise ValueError(f"model: expected every experts parameter of shape [E={layer.num_experts}, ...] "
+                                 f"(dim 0 the expert), got {name} of shape {list(p.shape)}")
     return dims, layers
 
 
@@ -197,9 +201,6 @@ def _shard_experts(layer: MoELayer, dims: ParallelDims, device_type: str) -> Non
     j, El = ep_mesh.get_local_rank(), layer.num_experts // dims.ep
     experts = layer.experts
     for name, p in list(experts.named_parameters(recurse=False)):
-        if p.shape[0] != layer.num_experts:
-            raise ValueError(f"model: expected the experts' parameter {name} of shape [E={layer.num_experts}, ...], "
-                             f"got {list(p.shape)}")
         local = p.detach()[j * El:(j + 1) * El].clone()
         dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
         experts.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
