@@ -186,6 +186,22 @@ def _raw_ep(rank: int, path: str) -> dict:
     dcp.load(state, checkpoint_id=path)
     other.load_state_dict(state)
     out["restored_own"] = torch.equal(other.experts.w1, mine)
+    # model and optimizer through sparseops.distributed.checkpoint: the moments at the global shape too
+    model = _Wrap(other)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    y = model(torch.randn(5, H, dtype=torch.float64, generator=torch.Generator().manual_seed(rank)))
+    y.sum().backward()
+    opt.step()
+    moment = opt.state[other.experts.w1]["exp_avg"].clone()
+    ckpt.save(f"{path}_opt", model, opt)
+    fresh = _Wrap(MoELayer(H, 6, E, 2, ep_group=dist.group.WORLD, dtype=torch.float64))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    ckpt.load(f"{path}_opt", fresh, fresh_opt)
+    out["restored_moment"] = torch.equal(fresh_opt.state[fresh.layer.experts.w1]["exp_avg"], moment)
+    out["restored_opt_own"] = torch.equal(fresh.layer.experts.w1, other.experts.w1)
+    if rank == 0:
+        meta = dcp.FileSystemReader(f"{path}_opt").read_metadata().state_dict_metadata
+        out["moment_shape"] = list(meta["optim.state.layer.experts.w1.exp_avg"].size)
     try:
         wrapped = nn.parallel.DistributedDataParallel(_Wrap(other))
         wrapped(torch.randn(3, H, dtype=torch.float64))
@@ -305,11 +321,13 @@ def test_w2_raw_ep_group_and_faults(w2):
     for rank in (0, 1):
         raw = w2[rank]["raw"]
         assert raw["saved_shape"] == [E, 6, H] and raw["restored_own"]
+        assert raw["restored_moment"] and raw["restored_opt_own"]
         assert "parallelize" in raw["ddp"]
         f = w2[rank]["faults"]
         assert "dp_replicate * dp_shard" in f["world"] and "ep" in f["ep_E"]
         assert "data_parallel" in f["data_parallel"] and "parallelize already ran" in f["twice"]
         assert f["router_fsdp"] is True
+    assert w2[0]["raw"]["moment_shape"] == [E, 6, H]
 
 
 # -- the W = 4 spawn: FSDP with efsdp = 2, HSDP 2 x 2, and a resumed run at ep = 4 ---------------------------------
