@@ -3,7 +3,7 @@
 The layout, the gradient semantics and what a checkpoint holds are in docs/training.md. In short: the world of
 ``W = dp_replicate * dp_shard`` ranks trains one model on the global batch; the routed experts of every
 :class:`sparseops.nn.MoELayer` become DTensors of the global shape ``[E, ...]`` sharded over ``ep`` (FSDP2 over
-the ``efsdp = dp_shard / ep`` ranks that share an expert shard, replicated over ``dp_replicate``); every other
+the ``efsdp = dp_shard / ep`` ranks that share an expert shard, HSDP with ``dp_replicate``); every other
 parameter is FSDP2-sharded (HSDP with ``dp_replicate > 1``) or replicated by DDP over the whole world.
 """
 
@@ -233,7 +233,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, data_parallel: str = "f
 
     Every rank passes the same full model (same seed). Each :class:`~sparseops.nn.MoELayer` keeps on rank
     ``(..., efsdp_i, ep_j)`` the experts ``[j*E/ep, (j+1)*E/ep)`` as DTensors of the global shape ``[E, ...]``
-    (``Shard(0)`` over ``ep``, FSDP2-sharded along dim 1 over ``efsdp``, replicated over ``dp_replicate``); its
+    (``Shard(0)`` over ``ep``; FSDP2 along dim 1 over ``efsdp``, HSDP with ``dp_replicate``, or over
+    ``dp_replicate`` alone when ``efsdp = 1``); its
     aux loss and counts then cover the global batch. The other parameters are FSDP2-sharded over
     ``(dp_replicate, dp_shard)`` (``"fsdp"``, HSDP when ``dp_replicate > 1``; every ``nn.ModuleList`` entry and
     every MoE layer its own unit) or replicated with DDP's gradient all-reduce over the world (``"ddp"``,
