@@ -366,6 +366,23 @@ def test_one_process_resume_and_incompatible(ckpt_dir, w4, oracle):
         ckpt.load(f"{ckpt_dir}/nowhere", _model())
 
 
+def test_raw_ep_group_checkpoint_loads_in_one_process(ckpt_dir, w2):
+    """The raw ep_group layer's checkpoint (ep = 2) holds both ranks' experts: a one-process layer gets all E."""
+    from sparseops.nn import GroupedExperts
+
+    blocks = []
+    for rank in (0, 1):  # each rank's experts, as _raw_ep drew them
+        experts = GroupedExperts(E // 2, H, 6, dtype=torch.float64)
+        torch.manual_seed(10 + rank)
+        experts.reset_parameters()
+        blocks.append(experts.w1.detach())
+    layer = MoELayer(H, 6, E, 2, dtype=torch.float64)
+    state = layer.state_dict()
+    dcp.load(state, checkpoint_id=f"{ckpt_dir}/raw")
+    layer.load_state_dict(state)
+    assert torch.equal(layer.experts.w1, torch.cat(blocks))
+
+
 def test_dims_bad_input_without_a_process_group():
     with pytest.raises(ValueError, match="ep"):
         ParallelDims(dp_shard=3, ep=2)
