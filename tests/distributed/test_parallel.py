@@ -186,6 +186,22 @@ def _raw_ep(rank: int, path: str) -> dict:
     dcp.load(state, checkpoint_id=path)
     other.load_state_dict(state)
     out["restored_own"] = torch.equal(other.experts.w1, mine)
+    # model and optimizer through sparseops.distributed.checkpoint: the moments at the global shape too
+    model = _Wrap(other)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    y = model(torch.randn(5, H, dtype=torch.float64, generator=torch.Generator().manual_seed(rank)))
+    y.sum().backward()
+    opt.step()
+    moment = opt.state[other.experts.w1]["exp_avg"].clone()
+    ckpt.save(f"{path}_opt", model, opt)
+    fresh = _Wrap(MoELayer(H, 6, E, 2, ep_group=dist.group.WORLD, dtype=torch.float64))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    ckpt.load(f"{path}_opt", fresh, fresh_opt)
+    out["restored_moment"] = torch.equal(fresh_opt.state[fresh.layer.experts.w1]["exp_avg"], moment)
+    out["restored_opt_own"] = torch.equal(fresh.layer.experts.w1, other.experts.w1)
+    if rank == 0:
+        meta = dcp.FileSystemReader(f"{path}_opt").read_metadata().state_dict_metadata
+        out["moment_shape"] = list(meta["optim.state.layer.experts.w1.exp_avg"].size)
     try:
         wrapped = nn.parallel.DistributedDataParallel(_Wrap(other))
         wrapped(torch.randn(3, H, dtype=torch.float64))
@@ -237,6 +253,7 @@ def _faults() -> dict:
 def _worker2(rank: int, world: int, path: str) -> dict:
     out = {"fsdp": _train(parallelize(_model(), ParallelDims(ep=2)), rank, world, save=f"{path}/w2_fsdp_ep2"),
            "ddp": _train(parallelize(_model(), ParallelDims(ep=2), data_parallel="ddp"), rank, world),
+           "ep1": _train(parallelize(_model(), ParallelDims(ep=1)), rank, world),
            "accumulate": _train(parallelize(_model(), ParallelDims(ep=2)), rank, world, micro=2),
            "accumulate_ddp": _train(parallelize(_model(), ParallelDims(ep=2), data_parallel="ddp"), rank, world,
                                     micro=2)}
@@ -267,6 +284,7 @@ def w2(ckpt_dir) -> list:
 def test_w2_fsdp_and_ddp_ep2(w2, oracle):
     _check(w2[0]["fsdp"], oracle, "W=2 fsdp ep=2")
     _check(w2[0]["ddp"], oracle, "W=2 ddp ep=2")
+    _check(w2[0]["ep1"], oracle, "W=2 fsdp ep=1 (experts FSDP-sharded over efsdp=2)")
     assert all(b.abs().sum() > 0 for b in oracle["bias"].values())  # the balancing moved
 
 
@@ -303,11 +321,13 @@ def test_w2_raw_ep_group_and_faults(w2):
     for rank in (0, 1):
         raw = w2[rank]["raw"]
         assert raw["saved_shape"] == [E, 6, H] and raw["restored_own"]
+        assert raw["restored_moment"] and raw["restored_opt_own"]
         assert "parallelize" in raw["ddp"]
         f = w2[rank]["faults"]
         assert "dp_replicate * dp_shard" in f["world"] and "ep" in f["ep_E"]
         assert "data_parallel" in f["data_parallel"] and "parallelize already ran" in f["twice"]
         assert f["router_fsdp"] is True
+    assert w2[0]["raw"]["moment_shape"] == [E, 6, H]
 
 
 # -- the W = 4 spawn: FSDP with efsdp = 2, HSDP 2 x 2, and a resumed run at ep = 4 ---------------------------------
@@ -344,6 +364,23 @@ def test_one_process_resume_and_incompatible(ckpt_dir, w4, oracle):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing loaded
     with pytest.raises(ValueError, match="complete DCP checkpoint"):
         ckpt.load(f"{ckpt_dir}/nowhere", _model())
+
+
+def test_raw_ep_group_checkpoint_loads_in_one_process(ckpt_dir, w2):
+    """The raw ep_group layer's checkpoint (ep = 2) holds both ranks' experts: a one-process layer gets all E."""
+    from sparseops.nn import GroupedExperts
+
+    blocks = []
+    for rank in (0, 1):  # each rank's experts, as _raw_ep drew them
+        experts = GroupedExperts(E // 2, H, 6, dtype=torch.float64)
+        torch.manual_seed(10 + rank)
+        experts.reset_parameters()
+        blocks.append(experts.w1.detach())
+    layer = MoELayer(H, 6, E, 2, dtype=torch.float64)
+    state = layer.state_dict()
+    dcp.load(state, checkpoint_id=f"{ckpt_dir}/raw")
+    layer.load_state_dict(state)
+    assert torch.equal(layer.experts.w1, torch.cat(blocks))
 
 
 def test_dims_bad_input_without_a_process_group():

@@ -3,7 +3,8 @@
 DCP does the work: ``get_model_state_dict`` / ``get_optimizer_state_dict`` give every parameter and optimizer
 moment under its one-process key at its global shape (the experts as DTensors ``[E, ...]``), ``dcp.save``
 writes each shard once, ``dcp.load`` reshards into whatever layout the loading model has. The helpers here
-add the checks DCP leaves to its planner's error (a ``CheckpointException`` wrapping the first mismatch): every
+write the optimizer moments of MoE layers built with a raw ``ep_group`` at their global shape too (their
+model entries already are, by the layer's state-dict hook), and add the checks DCP leaves to its planner's error (a ``CheckpointException`` wrapping the first mismatch): every
 key of the loading state present in the checkpoint at the same shape, as one ``ValueError`` naming the key and
 both shapes, raised before anything is read.
 """
@@ -59,6 +60,51 @@ def check_compatible(state_dict: Mapping, checkpoint_id: str | os.PathLike) -> N
                              f"{list(meta.size)} in the checkpoint {path!r}")
 
 
+def _raw_expert_params(model: nn.Module) -> dict:
+    """``{fqn: layer}`` of the local experts of MoE layers built with a raw ``ep_group`` (plain tensors)."""
+    from ..nn.moe_layer import MoELayer, _is_dtensor
+
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, MoELayer) and m.ep_size > 1 and m.batch_group is None:
+            for pname, p in m.experts.named_parameters(recurse=False):
+                if not _is_dtensor(p):
+                    out[f"{name}.experts.{pname}" if name else f"experts.{pname}"] = m
+    return out
+
+
+def _optim_to_global(model: nn.Module, optim_state: dict) -> dict:
+    """The optimizer moments of raw-``ep_group`` experts as DTensors of the global shape (sharing storage), so
+    that DCP writes every rank's block once instead of one rank's under the shared key; 0-dim entries (Adam's
+    ``step``, the same on every rank) stay."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from ..nn.moe_layer import _ep_mesh
+
+    raw = _raw_expert_params(model)
+    for fqn, moments in optim_state.get("state", {}).items():
+        layer = raw.get(fqn)
+        if layer is None:
+            continue
+        for k, v in list(moments.items()):
+            if isinstance(v, torch.Tensor) and v.dim() >= 1 and not isinstance(v, DTensor):
+                shape = torch.Size((layer.num_experts, *v.shape[1:]))
+                moments[k] = DTensor.from_local(v, _ep_mesh(layer, v.device.type), [Shard(0)], run_check=False,
+                                                shape=shape, stride=torch.empty(shape, device="meta").stride())
+    return optim_state
+
+
+def _optim_to_local(model: nn.Module, optim_state: dict) -> dict:
+    """The inverse of :func:`_optim_to_global` after a load: this rank's block of each moment."""
+    raw = _raw_expert_params(model)
+    for fqn, moments in optim_state.get("state", {}).items():
+        if fqn in raw:
+            for k, v in list(moments.items()):
+                if hasattr(v, "to_local"):
+                    moments[k] = v.to_local()
+    return optim_state
+
+
 def save(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
          **extra) -> None:
     """``dcp.save({"model": ..., "optim": ..., **extra})`` with DCP's state-dict helpers.
@@ -70,7 +116,7 @@ def save(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: torch.op
 
     state = {"model": get_model_state_dict(model)}
     if optimizer is not None:
-        state["optim"] = get_optimizer_state_dict(model, optimizer)
+        state["optim"] = _optim_to_global(model, get_optimizer_state_dict(model, optimizer))
     state.update(extra)
     dcp.save(state, checkpoint_id=os.fspath(checkpoint_id))
 
@@ -92,11 +138,11 @@ def load(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: torch.op
 
     state = {"model": get_model_state_dict(model)}
     if optimizer is not None:
-        state["optim"] = get_optimizer_state_dict(model, optimizer)
+        state["optim"] = _optim_to_global(model, get_optimizer_state_dict(model, optimizer))
     state.update(extra)
     check_compatible({k: v for k, v in state.items() if k != "optim"}, checkpoint_id)
     dcp.load(state, checkpoint_id=os.fspath(checkpoint_id))
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["optim"])
+        set_optimizer_state_dict(model, optimizer, _optim_to_local(model, state["optim"]))
     return {k: state[k] for k in extra}

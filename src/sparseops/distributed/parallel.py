@@ -3,7 +3,7 @@
 The layout, the gradient semantics and what a checkpoint holds are in docs/training.md. In short: the world of
 ``W = dp_replicate * dp_shard`` ranks trains one model on the global batch; the routed experts of every
 :class:`sparseops.nn.MoELayer` become DTensors of the global shape ``[E, ...]`` sharded over ``ep`` (FSDP2 over
-the ``efsdp = dp_shard / ep`` ranks that share an expert shard, replicated over ``dp_replicate``); every other
+the ``efsdp = dp_shard / ep`` ranks that share an expert shard, HSDP with ``dp_replicate``); every other
 parameter is FSDP2-sharded (HSDP with ``dp_replicate > 1``) or replicated by DDP over the whole world.
 """
 
@@ -186,6 +186,10 @@ def _check(model: nn.Module, dims: ParallelDims, data_parallel: str) -> tuple[Pa
         if layer.num_experts % dims.ep:
             raise ValueError(f"ep: expected a divisor of every MoE layer's num_experts, got ep = {dims.ep} and "
                              f"num_experts = {layer.num_experts}")
+        for name, p in layer.experts.named_parameters(recurse=False):
+            if p.dim() == 0 or p.shape[0] != layer.num_experts:
+                raise ValueError(f"model: expected every experts parameter of shape [E={layer.num_experts}, ...] "
+                                 f"(dim 0 the expert), got {name} of shape {list(p.shape)}")
     return dims, layers
 
 
@@ -197,9 +201,6 @@ def _shard_experts(layer: MoELayer, dims: ParallelDims, device_type: str) -> Non
     j, El = ep_mesh.get_local_rank(), layer.num_experts // dims.ep
     experts = layer.experts
     for name, p in list(experts.named_parameters(recurse=False)):
-        if p.shape[0] != layer.num_experts:
-            raise ValueError(f"model: expected the experts' parameter {name} of shape [E={layer.num_experts}, ...], "
-                             f"got {list(p.shape)}")
         local = p.detach()[j * El:(j + 1) * El].clone()
         dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
         experts.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
@@ -232,7 +233,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, data_parallel: str = "f
 
     Every rank passes the same full model (same seed). Each :class:`~sparseops.nn.MoELayer` keeps on rank
     ``(..., efsdp_i, ep_j)`` the experts ``[j*E/ep, (j+1)*E/ep)`` as DTensors of the global shape ``[E, ...]``
-    (``Shard(0)`` over ``ep``, FSDP2-sharded along dim 1 over ``efsdp``, replicated over ``dp_replicate``); its
+    (``Shard(0)`` over ``ep``; FSDP2 along dim 1 over ``efsdp``, HSDP with ``dp_replicate``, or over
+    ``dp_replicate`` alone when ``efsdp = 1``); its
     aux loss and counts then cover the global batch. The other parameters are FSDP2-sharded over
     ``(dp_replicate, dp_shard)`` (``"fsdp"``, HSDP when ``dp_replicate > 1``; every ``nn.ModuleList`` entry and
     every MoE layer its own unit) or replicated with DDP's gradient all-reduce over the world (``"ddp"``,
