@@ -1,10 +1,7 @@
 """Train the NSA + MoE language model of sparseops.models on the associative-recall task (the default) or on a
 token file, in one process or under torchrun, with DCP checkpoints, resume at any layout and faults that end
-in a message (docs/training.md, "sparseops train").
-
-  torchrun --nproc-per-node 4 -m sparseops train --dp-shard 4 --ep 2 --save ckpt --save-every 100
-  torchrun --nproc-per-node 2 -m sparseops train --resume ckpt --save ckpt      # any layout
-
+in a message (docs/training.md, "sparseops train"): e.g. `torchrun --nproc-per-node 4 -m sparseops train
+--dp-shard 4 --ep 2 --save ckpt --save-every 100`, later `--resume ckpt` at any layout.
 Without torchrun it runs in one process. Every flag left out takes the value of `sparseops demo`'s full run.
 Exit status: 0 done; 1 the run stopped (a non-finite loss or gradient, a collective that failed or timed out:
 the message names the step); 2 bad flags or input (checked before any collective)."""
