@@ -47,6 +47,19 @@ def _fallback_key(auto: bool, query, key, value, topk, bs, deterministic=None) -
             query.shape[2], value.shape[2], topk.shape[2], bs, deterministic)
 
 
+def _resolve(backend, device, dtype, bs) -> tuple[str, bool]:
+    """:func:`sparseops._backend.resolve`, with token granularity (``bs < 16``) on the torch path: ``auto`` runs it
+    there, an explicit ``"triton"`` is a ``ValueError`` (the Triton kernels take multiples of 16)."""
+    name, auto = _backend.resolve("nsa", backend, device, dtype)
+    if name == "triton" and bs < 16:
+        if not auto:
+            raise ValueError(
+                f"backend: 'triton' takes selected_block_size a multiple of 16, got {bs}; use 'auto' or 'torch'"
+            )
+        return "torch", False
+    return name, auto
+
+
 # custom ops
 
 
@@ -187,7 +200,7 @@ def nsa_selected_attention(
         topk_indices: ``[T1, N2, K]`` int32 or int64, block ids local to each token's sequence, ``-1`` = empty.
         scale_value: float multiplying ``q.k``.
         head_num: ``N1``.
-        selected_block_size: ``bs``, a multiple of 16 in ``[16, 128]``.
+        selected_block_size: ``bs``, a multiple of 16 in ``[16, 128]``, or 1, 2, 4, 8 (token granularity: ``K <= 2048``, ``G <= 128``).
         selected_block_count: ``K`` in ``[1, 128]`` with ``K * bs <= 8192``, equal to ``topk_indices.shape[2]``.
         atten_mask: optional 2-D bool/uint8 tensor, accepted for CANN compatibility and never read.
         actual_seq_qlen, actual_seq_kvlen: cumulative lengths without the leading 0 (list of ints or an integer
@@ -207,7 +220,7 @@ def nsa_selected_attention(
         query, key, value, topk_indices, scale_value, head_num, selected_block_size, selected_block_count,
         atten_mask, actual_seq_qlen, actual_seq_kvlen, sparse_mode, "TND", validate,
     )
-    name, auto = _backend.resolve("nsa", backend, device, query.dtype)
+    name, auto = _resolve(backend, device, query.dtype, bs)
     out, m, l = _fwd_op(query, key, value, topk_indices, scale, bs, cu_q, cu_kv, causal, name, auto)
     shape = (*m.shape, STAT_LANES)
     return out, m.unsqueeze(-1).expand(shape).contiguous(), l.unsqueeze(-1).expand(shape).contiguous()
@@ -263,7 +276,7 @@ def nsa_selected_attention_grad(
         attention_out, attention_out_grad, softmax_max, softmax_sum, grad=True,
     )
     resolve_deterministic(deterministic)  # its type, now; None is resolved when the op runs
-    name, auto = _backend.resolve("nsa", backend, device, query.dtype)
+    name, auto = _resolve(backend, device, query.dtype, bs)
     return _bwd_op(
         query, key, value, attention_out, attention_out_grad, softmax_max[..., 0].contiguous(),
         softmax_sum[..., 0].contiguous(), topk_indices, scale, bs, cu_q, cu_kv, causal, deterministic, name, auto,
