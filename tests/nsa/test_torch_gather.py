@@ -183,3 +183,15 @@ def test_cann_two_phase_api_at_token_granularity():
         actual_seq_kvlen=d["actual_seq_kvlen"], sparse_mode=2)
     for got, exp in zip((dq, dk, dv), (wq, wk, wv)):
         assert torch.equal(got, exp)
+
+
+def test_non_contiguous_inputs():
+    a = _inputs(CASES[2], torch.float64)
+    want = _run(a, torch.float64)
+    b = dict(a)
+    for n in ("query", "key", "value"):
+        b[n] = a[n].transpose(0, 1).contiguous().transpose(0, 1)  # same values, token stride 1
+    b["topk_indices"] = a["topk_indices"].transpose(0, 1).contiguous().transpose(0, 1)
+    got = _run(b, torch.float64)
+    for x, y in zip(want[:6], got[:6]):
+        assert torch.equal(x, y)

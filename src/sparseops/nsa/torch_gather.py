@@ -75,7 +75,7 @@ def _gather(flat, rows, acc):
 def _scores(q, ks, t0, t1, N2, scale, acc):
     """``scale * q k^T`` ``[C * N2, G, KB]`` and the chunk's scaled queries ``[C * N2, G, Dqk]``."""
     C, N1, Dqk = t1 - t0, q.shape[1], q.shape[2]
-    qs = q[t0:t1].to(acc).mul(scale).view(C * N2, N1 // N2, Dqk)
+    qs = q[t0:t1].to(acc).mul(scale).reshape(C * N2, N1 // N2, Dqk)
     return torch.bmm(qs, ks.transpose(1, 2)), qs
 
 
@@ -136,12 +136,12 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
         rows, vis = plan.gather_index(topk, t0, t1, causal)
         ks, vs = _gather(kf, rows, acc), _gather(vf, rows, acc)
         p, qs = _scores(q, ks, t0, t1, N2, scale, acc)
-        mc = m[t0:t1].to(acc).view(C * N2, G, 1)
-        lc = l[t0:t1].to(acc).view(C * N2, G, 1)
+        mc = m[t0:t1].to(acc).reshape(C * N2, G, 1)
+        lc = l[t0:t1].to(acc).reshape(C * N2, G, 1)
         p.sub_(mc).clamp_(_exp_floor(acc), 80.0).exp_()
         p.mul_(vis.view(C * N2, 1, plan.KB).to(acc)).mul_(torch.where(lc > 0, 1.0 / lc, 0.0))
-        dy = dout[t0:t1].to(acc).view(C * N2, G, Dv)
-        d = (dy * out[t0:t1].to(acc).view(C * N2, G, Dv)).sum(dim=-1, keepdim=True)
+        dy = dout[t0:t1].to(acc).reshape(C * N2, G, Dv)
+        d = (dy * out[t0:t1].to(acc).reshape(C * N2, G, Dv)).sum(dim=-1, keepdim=True)
         ds = torch.bmm(dy, vs.transpose(1, 2)).sub_(d).mul_(p)
         dq[t0:t1] = torch.bmm(ds, ks).mul_(scale).view(C, N1, Dqk).to(q.dtype)
         flat_rows = rows.view(-1)
