@@ -54,8 +54,8 @@ class _Rows:
         return ((t0, min(T1, t0 + self.C)) for t0 in range(0, T1, self.C))
 
     def gather_index(self, topk, t0, t1, causal):
-        """``(rows [C, N2, KB]`` int64 rows of the flattened ``[T2 * N2, D]`` keys (0 where invisible),
-        ``vis [C, N2, KB]`` bool)."""
+        """``(rows [C, N2, n]`` int64 rows of the flattened ``[T2 * N2, D]`` keys (0 where invisible),
+        ``vis [C, N2, n]`` bool), ``n <= KB`` the gathered keys up to the last one some row of the chunk sees."""
         C = t1 - t0
         idx = topk[t0:t1].to(torch.int64)
         p = (idx[..., None] * self.bs + self.r).view(C, self.N2, self.KB)
@@ -63,7 +63,11 @@ class _Rows:
         if causal:
             vis &= p <= self.pos[t0:t1, None, None]
         rows = (self.kv_start[t0:t1, None, None] + p) * self.N2 + self.n2[:, None]
-        return torch.where(vis, rows, 0), vis
+        # trailing gathered keys that no row of the chunk sees (the -1 tail of an indexer's sorted selection,
+        # causal rows shorter than K) are dropped: they would only add exact zeros
+        seen = vis.reshape(-1, self.KB).any(dim=0)
+        n = int(seen.nonzero().max()) + 1 if bool(seen.any()) else 1
+        return torch.where(vis, rows, 0)[..., :n].contiguous(), vis[..., :n].contiguous()
 
 
 def _gather(flat, rows, acc):
@@ -96,7 +100,7 @@ def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
         C = t1 - t0
         rows, vis = plan.gather_index(topk, t0, t1, causal)
         x, _ = _scores(q, _gather(kf, rows, acc), t0, t1, N2, scale, acc)
-        w = vis.view(C * N2, 1, plan.KB).to(acc)
+        w = vis.view(C * N2, 1, vis.shape[-1]).to(acc)
         x.clamp_(max=torch.finfo(acc).max).add_(torch.where(w == 0, _NEG_INF, 0.0))
         mx = torch.amax(x, dim=-1, keepdim=True)
         mx.masked_fill_(mx == _NEG_INF, 0.0)
@@ -139,7 +143,7 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
         mc = m[t0:t1].to(acc).reshape(C * N2, G, 1)
         lc = l[t0:t1].to(acc).reshape(C * N2, G, 1)
         p.sub_(mc).clamp_(_exp_floor(acc), 80.0).exp_()
-        p.mul_(vis.view(C * N2, 1, plan.KB).to(acc)).mul_(torch.where(lc > 0, 1.0 / lc, 0.0))
+        p.mul_(vis.view(C * N2, 1, vis.shape[-1]).to(acc)).mul_(torch.where(lc > 0, 1.0 / lc, 0.0))
         dy = dout[t0:t1].to(acc).reshape(C * N2, G, Dv)
         d = (dy * out[t0:t1].to(acc).reshape(C * N2, G, Dv)).sum(dim=-1, keepdim=True)
         ds = torch.bmm(dy, vs.transpose(1, 2)).sub_(d).mul_(p)
