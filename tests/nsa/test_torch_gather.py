@@ -142,16 +142,6 @@ def test_ids_outside_the_sequence_rejected():
         sparseops.nsa_selected_attention(q, k, k, topk, 1.0, 2, 1, 2)
 
 
-def test_explicit_triton_rejects_token_granularity():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device to resolve backend='triton'")
-    q = torch.randn(4, 2, 8, device="cuda")
-    k = torch.randn(4, 1, 8, device="cuda")
-    topk = torch.zeros(4, 1, 2, dtype=torch.int32, device="cuda")
-    with pytest.raises(ValueError, match="backend"):
-        sparseops.nsa_selected_attention(q, k, k, topk, 1.0, 2, 1, 2, backend="triton")
-
-
 def test_cann_two_phase_api_at_token_granularity():
     """aclnnNsaSelectedAttention(Grad) with bs = 1, K = 6 and G = 8 write what the Python ops return."""
     from sparseops import aclnn

@@ -47,19 +47,6 @@ def _fallback_key(auto: bool, query, key, value, topk, bs, deterministic=None) -
             query.shape[2], value.shape[2], topk.shape[2], bs, deterministic)
 
 
-def _resolve(backend, device, dtype, bs) -> tuple[str, bool]:
-    """:func:`sparseops._backend.resolve`, with token granularity (``bs < 16``) on the torch path: ``auto`` runs it
-    there, an explicit ``"triton"`` is a ``ValueError`` (the Triton kernels take multiples of 16)."""
-    name, auto = _backend.resolve("nsa", backend, device, dtype)
-    if name == "triton" and bs < 16:
-        if not auto:
-            raise ValueError(
-                f"backend: 'triton' takes selected_block_size a multiple of 16, got {bs}; use 'auto' or 'torch'"
-            )
-        return "torch", False
-    return name, auto
-
-
 # custom ops
 
 
@@ -220,7 +207,7 @@ def nsa_selected_attention(
         query, key, value, topk_indices, scale_value, head_num, selected_block_size, selected_block_count,
         atten_mask, actual_seq_qlen, actual_seq_kvlen, sparse_mode, "TND", validate,
     )
-    name, auto = _resolve(backend, device, query.dtype, bs)
+    name, auto = _backend.resolve("nsa", backend, device, query.dtype)
     out, m, l = _fwd_op(query, key, value, topk_indices, scale, bs, cu_q, cu_kv, causal, name, auto)
     shape = (*m.shape, STAT_LANES)
     return out, m.unsqueeze(-1).expand(shape).contiguous(), l.unsqueeze(-1).expand(shape).contiguous()
@@ -276,7 +263,7 @@ def nsa_selected_attention_grad(
         attention_out, attention_out_grad, softmax_max, softmax_sum, grad=True,
     )
     resolve_deterministic(deterministic)  # its type, now; None is resolved when the op runs
-    name, auto = _resolve(backend, device, query.dtype, bs)
+    name, auto = _backend.resolve("nsa", backend, device, query.dtype)
     return _bwd_op(
         query, key, value, attention_out, attention_out_grad, softmax_max[..., 0].contiguous(),
         softmax_sum[..., 0].contiguous(), topk_indices, scale, bs, cu_q, cu_kv, causal, deterministic, name, auto,
