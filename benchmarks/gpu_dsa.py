@@ -35,7 +35,7 @@ from sparseops.testing import TOLERANCES, rel_rms_error  # noqa: E402
 
 #: the module row's sizes by device type
 SIZES = {"cuda": dict(cu=[0, 1000, 1999, 3072], hidden=256, topk=256),
-         "cpu": dict(cu=[0, 70, 131], hidden=32, topk=16)}
+         "cpu": dict(cu=[0, 40, 75], hidden=32, topk=8)}
 
 
 class Skip(Exception):
