@@ -14,7 +14,7 @@ TRITON_LATEST ?= 3.9.0
 VENV_LATEST := .venv-triton-latest
 # the Triton kernels on the CPU: the interpreter, exact fp32 dots; in their own pytest processes
 INTERPRET := TRITON_INTERPRET=1 TRITON_F32_DEFAULT=ieee
-TRITON_TESTS := tests/moe/test_triton_impl.py tests/nsa/test_triton_impl.py tests/nsa/test_triton_plan.py
+TRITON_TESTS := tests/moe/test_triton_impl.py tests/nsa/test_triton_impl.py tests/nsa/test_triton_plan.py tests/nsa/test_triton_gather.py
 
 .PHONY: run test lint check bench peers clean
 

@@ -39,13 +39,8 @@ else:
 
 import sparseops  # noqa: E402
 from sparseops.nn import NativeSparseAttention  # noqa: E402
-from sparseops.nsa import (  # noqa: E402
-    compress_kv,
-    compressed_attention,
-    module_reference,
-    select_blocks,
-    sliding_window_attention,
-)
+from sparseops.nsa_branches import compress_kv, compressed_attention, select_blocks, sliding_window_attention  # noqa: E402
+from sparseops.nsa_branches import reference as module_reference  # noqa: E402
 from sparseops.testing import TOLERANCES, rel_rms_error  # noqa: E402
 
 NAME = "nsa_module"

@@ -347,7 +347,7 @@ BAD_CALLS = [
     ("nsa-grad-bad-layout", _nsa_bad(_set(15, "BNSD"), grad=True), ACLNN_ERR_PARAM_INVALID, ["inputLayout"]),
     ("nsa-grad-fp16-stats", _nsa_bad(_set(5, lambda d, a: a[5].half()), grad=True), ACLNN_ERR_PARAM_INVALID, ["softmaxMax"]),
     ("nsa-grad-bad-sparse-mode", _nsa_bad(_set(16, 3), grad=True), ACLNN_ERR_INNER_TILING_ERROR, ["sparseMode"]),
-    ("nsa-grad-bad-block-size", _nsa_bad(_set(12, 8), grad=True), ACLNN_ERR_INNER_TILING_ERROR, ["selectedBlockSize"]),
+    ("nsa-grad-bad-block-size", _nsa_bad(_set(12, 12), grad=True), ACLNN_ERR_INNER_TILING_ERROR, ["selectedBlockSize"]),
     ("nsa-grad-dk-wrong-shape", _nsa_bad(_set(18, lambda d, a: empty_like_poisoned((33, 4, 32), torch.float32)), grad=True), ACLNN_ERR_INNER_TILING_ERROR, ["dkOut"]),
 ]
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from sparseops.nn import NativeSparseAttention
-from sparseops.nsa import module_reference as R
+from sparseops.nsa_branches import reference as R
 from sparseops.testing import assert_close
 
 CONFIGS = [

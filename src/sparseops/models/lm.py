@@ -1,4 +1,5 @@
-"""A small causal language model built from the library's layers: NSA attention and MoE FFNs (docs/demo.md).
+"""A small causal language model built from the library's layers: NSA attention (or DeepSeek Sparse Attention,
+``attention="dsa"``) and MoE FFNs (docs/demo.md, docs/dsa.md).
 
 ``embedding -> num_layers x [RMSNorm -> NativeSparseAttention -> RMSNorm -> FFN] -> RMSNorm -> tied head``,
 each sub-layer residual. The FFN of the first ``dense_layers`` layers is a dense SwiGLU MLP (as DeepSeek does),
@@ -15,12 +16,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..nn import MoELayer, NativeSparseAttention, SharedExpert
+from ..nn import DeepSeekSparseAttention, MoELayer, NativeSparseAttention, SharedExpert
+
+ATTENTIONS = ("nsa", "dsa")
 
 
 @dataclass(frozen=True)
 class LMConfig:
-    """The model's sizes. ``window_only`` computes only the sliding-window branch (the other gates are 0)."""
+    """The model's sizes. ``window_only`` computes only the sliding-window branch (the other gates are 0).
+
+    ``attention="dsa"`` replaces NSA by :class:`sparseops.nn.DeepSeekSparseAttention` (``dsa_topk`` keys per query,
+    an indexer of ``index_heads`` x ``index_head_dim``, MQA over ``num_kv_heads``); each layer's indexer loss,
+    times ``indexer_loss_coeff``, is added to the aux loss (it trains only the indexers: their input is detached).
+    """
 
     vocab_size: int
     hidden_size: int = 64
@@ -41,6 +49,11 @@ class LMConfig:
     window_size: int = 32
     rope_theta: float = 10000.0
     window_only: bool = False
+    attention: str = "nsa"
+    dsa_topk: int = 16
+    index_heads: int = 2
+    index_head_dim: int = 16
+    indexer_loss_coeff: float = 1.0
 
     def replace(self, **changes) -> LMConfig:
         return dataclasses.replace(self, **changes)
@@ -54,12 +67,20 @@ class Block(nn.Module):
         super().__init__()
         kw = {"device": device, "dtype": dtype}
         self.attn_norm = nn.RMSNorm(cfg.hidden_size, **kw)
-        self.attn = NativeSparseAttention(
-            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            compress_block_size=cfg.compress_block_size, compress_stride=cfg.compress_stride,
-            select_block_size=cfg.select_block_size, select_count=cfg.select_count,
-            window_size=cfg.window_size, rope_theta=cfg.rope_theta,
-            branches=("win",) if cfg.window_only else ("cmp", "slc", "win"), **kw)
+        if cfg.attention not in ATTENTIONS:
+            raise ValueError(f"cfg.attention: expected one of {ATTENTIONS}, got {cfg.attention!r}")
+        self.indexer_loss_coeff = cfg.indexer_loss_coeff if cfg.attention == "dsa" else None
+        if cfg.attention == "dsa":
+            self.attn = DeepSeekSparseAttention(
+                cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, topk=cfg.dsa_topk,
+                index_heads=cfg.index_heads, index_head_dim=cfg.index_head_dim, rope_theta=cfg.rope_theta, **kw)
+        else:
+            self.attn = NativeSparseAttention(
+                cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                compress_block_size=cfg.compress_block_size, compress_stride=cfg.compress_stride,
+                select_block_size=cfg.select_block_size, select_count=cfg.select_count,
+                window_size=cfg.window_size, rope_theta=cfg.rope_theta,
+                branches=("win",) if cfg.window_only else ("cmp", "slc", "win"), **kw)
         self.ffn_norm = nn.RMSNorm(cfg.hidden_size, **kw)
         if moe:
             self.ffn = MoELayer(cfg.hidden_size, cfg.expert_ffn_size, cfg.num_experts, cfg.top_k,
@@ -69,12 +90,18 @@ class Block(nn.Module):
             self.ffn = SharedExpert(cfg.hidden_size, cfg.ffn_size, **kw)
 
     def forward(self, h: torch.Tensor, cu_seqlens) -> tuple[torch.Tensor, torch.Tensor | None]:
-        h = h + self.attn(self.attn_norm(h), cu_seqlens)
+        index_loss = None
+        if self.indexer_loss_coeff is None:
+            h = h + self.attn(self.attn_norm(h), cu_seqlens)
+        else:
+            a, info = self.attn(self.attn_norm(h), cu_seqlens, return_info=True)
+            h = h + a
+            index_loss = self.indexer_loss_coeff * info["indexer_loss"].to(h.dtype)
         if isinstance(self.ffn, MoELayer):
             moe = _moe_eager if torch.compiler.is_compiling() else _moe
             y, loss = moe(self.ffn, self.ffn_norm(h))
-            return h + y, loss
-        return h + self.ffn(self.ffn_norm(h)), None
+            return h + y, loss if index_loss is None else loss.to(h.dtype) + index_loss
+        return h + self.ffn(self.ffn_norm(h)), index_loss
 
 
 def _moe(ffn: MoELayer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,11 +8,8 @@ from torch import nn
 from .. import _checks
 from .._varlen import token_seq_positions
 from ..nsa.api import nsa_selected_attention
-from ..nsa.compressed_attention import compressed_attention
-from ..nsa.compression import compress_kv
-from ..nsa.module_checks import DTYPES, cmp_cu_seqlens, cu_seqlens_list, dtype_name
-from ..nsa.selection import select_blocks
-from ..nsa.window import sliding_window_attention
+from ..nsa_branches import compress_kv, compressed_attention, select_blocks, sliding_window_attention
+from ..nsa_branches.checks import DTYPES, cmp_cu_seqlens, cu_seqlens_list, dtype_name
 from .rope import apply_rope
 
 BRANCHES = ("cmp", "slc", "win")

@@ -1,8 +1,9 @@
-"""NSA: the selected-attention op (``api``) and the full module's functional pieces (docs/nsa-module.md)."""
+"""NSA: the selected-attention op family (``api``, docs/nsa.md).
 
-from .compressed_attention import compressed_attention
-from .compression import compress_kv
-from .selection import select_blocks
-from .window import sliding_window_attention
+The module's functional pieces live in ``sparseops.nsa_branches``; their public names are handed on here too
+(``sparseops.nsa.compress_kv`` ...), as docs/nsa-module.md promises. ``nsa_branches`` never imports this package.
+"""
+
+from ..nsa_branches import compress_kv, compressed_attention, select_blocks, sliding_window_attention
 
 __all__ = ["compress_kv", "compressed_attention", "select_blocks", "sliding_window_attention"]

@@ -187,7 +187,7 @@ def nsa_selected_attention(
         topk_indices: ``[T1, N2, K]`` int32 or int64, block ids local to each token's sequence, ``-1`` = empty.
         scale_value: float multiplying ``q.k``.
         head_num: ``N1``.
-        selected_block_size: ``bs``, a multiple of 16 in ``[16, 128]``.
+        selected_block_size: ``bs``, a multiple of 16 in ``[16, 128]``, or 1, 2, 4, 8 (token granularity: ``K <= 2048``, ``G <= 128``).
         selected_block_count: ``K`` in ``[1, 128]`` with ``K * bs <= 8192``, equal to ``topk_indices.shape[2]``.
         atten_mask: optional 2-D bool/uint8 tensor, accepted for CANN compatibility and never read.
         actual_seq_qlen, actual_seq_kvlen: cumulative lengths without the leading 0 (list of ints or an integer

@@ -21,6 +21,28 @@ STAT_LANES = 8
 SeqLens = Sequence[int] | torch.Tensor
 
 
+#: block sizes of the token-granularity path (docs/nsa.md, "Token granularity"), besides multiples of 16 in [16, 128]
+TOKEN_BLOCK_SIZES = (1, 2, 4, 8)
+
+
+def check_block_size(selected_block_size) -> int:
+    """``selected_block_size`` in ``(1, 2, 4, 8)`` or a multiple of 16 in ``[16, 128]``."""
+    bs = _checks.check_int("selected_block_size", selected_block_size)
+    if bs not in TOKEN_BLOCK_SIZES and not (16 <= bs <= 128 and bs % 16 == 0):
+        raise ValueError(f"selected_block_size: expected 1, 2, 4, 8 or a multiple of 16 in [16, 128], got {bs}")
+    return bs
+
+
+def max_block_count(bs: int) -> int:
+    """The largest ``selected_block_count`` for block size ``bs``: 2048 at token granularity, else 128."""
+    return 2048 if bs in TOKEN_BLOCK_SIZES else 128
+
+
+def max_group(bs: int) -> int:
+    """The largest ``G = N1 / N2`` for block size ``bs``: 128 at token granularity (DSA's MQA), else 32."""
+    return 128 if bs in TOKEN_BLOCK_SIZES else 32
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -82,8 +104,8 @@ def check_args(
         raise ValueError(f"input_layout: expected 'TND' (the only layout supported), got {input_layout!r}")
     validate = _checks.check_bool("validate", validate)
     scale = _checks.check_float("scale_value", scale_value)
-    bs = _checks.check_int("selected_block_size", selected_block_size, lo=16, hi=128, multiple_of=16)
-    K = _checks.check_int("selected_block_count", selected_block_count, lo=1, hi=128)
+    bs = check_block_size(selected_block_size)
+    K = _checks.check_int("selected_block_count", selected_block_count, lo=1, hi=max_block_count(bs))
     if K * bs > 8192:
         raise ValueError(
             f"selected_block_count: expected selected_block_count * selected_block_size <= 8192, got {K} * {bs} = {K * bs}"
@@ -103,8 +125,11 @@ def check_args(
     if N2 < 1 or N1 % N2:
         raise ValueError(f"key: expected N2 = key.shape[1] >= 1 dividing N1 = {N1}, got N2 = {N2}")
     G = N1 // N2
-    if not 1 <= G <= 32:
-        raise ValueError(f"query: expected 1 <= G = N1 / N2 <= 32, got N1 = {N1}, N2 = {N2}, G = {G}")
+    if not 1 <= G <= max_group(bs):
+        raise ValueError(
+            f"query: expected 1 <= G = N1 / N2 <= {max_group(bs)} (selected_block_size = {bs}), got N1 = {N1}, "
+            f"N2 = {N2}, G = {G}"
+        )
     if not 1 <= Dqk <= MAX_HEAD_DIM:
         raise ValueError(f"query: expected head dim 1 <= Dqk <= {MAX_HEAD_DIM}, got Dqk = {Dqk}")
     if not 1 <= Dv <= Dqk:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from . import torch_gather
 from .torch_plan import SETTINGS, NsaTorchSettings, Plan
 
 __all__ = ["SETTINGS", "NsaTorchSettings", "backward", "forward"]
@@ -173,6 +174,8 @@ _FORWARD = {"union": _forward_union, "tiles": _forward_tiles, "global": _forward
 
 def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
     """``(out [T1, N1, Dv]`` in q's dtype, ``m [T1, N1]``, ``l [T1, N1])`` (fp32, float64 for float64)."""
+    if bs < 16:  # token granularity: a per-query gather (torch_gather)
+        return torch_gather.forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal)
     acc = _acc(q)
     T1, N1, Dqk = q.shape
     Dv = v.shape[2]
@@ -309,6 +312,8 @@ _BACKWARD = {"union": _backward_union, "tiles": _backward_tiles, "global": _back
 
 def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, deterministic=False):
     """``(dq, dk, dv)`` in the dtypes of q, k, v, from the forward's ``out`` and stats ``m``, ``l`` ``[T1, N1]``."""
+    if bs < 16:
+        return torch_gather.backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, deterministic)
     acc = _acc(q)
     T1, N1, Dqk = q.shape
     Dv = v.shape[2]

@@ -4,6 +4,8 @@ Same internal signatures as ``reference.py`` (docs/internals.md). Arguments are 
 plans (token packs, wide packs, the dK/dV work list) and the tuning knobs (``SETTINGS``) live in
 ``triton_plan.py``; the kernels in ``triton_kernels.py`` (forward) and ``triton_kernels_bwd.py`` (backward).
 
+Token granularity (``selected_block_size`` < 16) runs the gather kernels of ``triton_gather.py``.
+
 - ``forward``: one program per (token pack, KV head), an fp32 online softmax over the selected blocks. A pack
   is one token (G >= 9) or ``pack_size(G)`` consecutive tokens of one sequence (G <= 8), whose distinct selected
   blocks are each loaded and multiplied once for all its rows; a row sees a block where its own token selected
@@ -96,6 +98,10 @@ def _launch_q(kernel, plan, dev, args: dict, **meta) -> None:
 
 def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
     _check_dtype(q)
+    if bs < 16:  # token granularity: the gather kernels
+        from . import triton_gather
+
+        return triton_gather.forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal)
     from . import triton_kernels as kern
 
     T1, N1, Dqk = q.shape
@@ -122,6 +128,10 @@ def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
 
 def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, deterministic=False):
     _check_dtype(q)
+    if bs < 16:
+        from . import triton_gather
+
+        return triton_gather.backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, deterministic)
     from . import triton_kernels_bwd as kern
 
     T1, N1, Dqk = q.shape

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from .module_checks import cmp_cu_seqlens
+from .checks import cmp_cu_seqlens
 
 
 def compress_kv(k, v, cu, l, d, compressor=None):
-    """``(k_cmp, v_cmp, cu_cmp)`` in float64; ``compressor`` as in :func:`sparseops.nsa.compress_kv`."""
+    """``(k_cmp, v_cmp, cu_cmp)`` in float64; ``compressor`` as in :func:`sparseops.nsa_branches.compress_kv`."""
     phi_k, phi_v = compressor if isinstance(compressor, tuple) else (compressor, compressor)
     cu_cmp = cmp_cu_seqlens(cu, l, d)
     outs = []

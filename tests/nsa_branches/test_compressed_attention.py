@@ -4,7 +4,7 @@ complete block; every dtype; small chunks; gradcheck; bad input."""
 import pytest
 import torch
 
-from sparseops.nsa import chunked_attention, compress_kv, compressed_attention, module_reference
+from sparseops.nsa_branches import chunked_attention, compress_kv, compressed_attention, reference
 from sparseops.testing import assert_close
 
 CASES = [
@@ -37,7 +37,7 @@ def test_float64_forward_backward(case, small_chunks):
         o, lse = compressed_attention(q, kc, vc, cu, cu_cmp, l, d)
         do = torch.randn_like(o)
         grads = torch.autograd.grad(o, (q, kc, vc), do, allow_unused=True)
-    o_ref, lse_ref = module_reference.compressed_attention(q, kc, vc, cu, cu_cmp, l, d, Dqk ** -0.5)
+    o_ref, lse_ref = reference.compressed_attention(q, kc, vc, cu, cu_cmp, l, d, Dqk ** -0.5)
     ref_grads = torch.autograd.grad(o_ref, (q, kc, vc), do, allow_unused=True)
     assert_close(o, o_ref, name="o")
     assert_close(lse, lse_ref, name="lse")
@@ -64,7 +64,7 @@ def test_low_precision_forward(dtype):
     cu = [0, 70, 100]
     q, kc, vc, cu_cmp = _inputs(cu, 4, 2, 16, 16, 16, 8, dtype=dtype)
     o, lse = compressed_attention(q, kc, vc, cu, cu_cmp, 16, 8)
-    o_ref, lse_ref = module_reference.compressed_attention(q, kc, vc, cu, cu_cmp, 16, 8, 0.25)
+    o_ref, lse_ref = reference.compressed_attention(q, kc, vc, cu, cu_cmp, 16, 8, 0.25)
     assert o.dtype == dtype and lse.dtype == torch.float32
     assert_close(o, o_ref, dtype=dtype)
     assert_close(lse, lse_ref, dtype=dtype, name="lse")

@@ -4,7 +4,7 @@ packed sequences shorter than a block, bad input."""
 import pytest
 import torch
 
-from sparseops.nsa import compress_kv, module_reference
+from sparseops.nsa_branches import compress_kv, reference
 from sparseops.testing import assert_close
 
 CASES = [
@@ -42,7 +42,7 @@ def test_float64_forward_backward(case, learned):
         lin_k, lin_v = torch.nn.Linear(l * 8, 8).double(), torch.nn.Linear(l * 6, 6).double()
         phi = (lambda b: lin_k(b.permute(0, 2, 1, 3).flatten(2)), lambda b: lin_v(b.permute(0, 2, 1, 3).flatten(2)))
     kc, vc, cu_cmp = compress_kv(k, v, torch.tensor(cu), l, d, compressor=phi)
-    kr, vr, cu_ref = module_reference.compress_kv(k, v, cu, l, d, compressor=phi)
+    kr, vr, cu_ref = reference.compress_kv(k, v, cu, l, d, compressor=phi)
     assert cu_cmp.tolist() == cu_ref
     assert_close(kc, kr, name="k_cmp")
     assert_close(vc, vr, name="v_cmp")

@@ -4,7 +4,7 @@ sequences, small chunks, gradcheck, torch.compile, bad input."""
 import pytest
 import torch
 
-from sparseops.nsa import chunked_attention, module_reference, sliding_window_attention
+from sparseops.nsa_branches import chunked_attention, reference, sliding_window_attention
 from sparseops.testing import assert_close
 
 CASES = [
@@ -34,7 +34,7 @@ def test_float64_forward_backward(case, small_chunks):
         o = sliding_window_attention(q, k, v, torch.tensor(cu, dtype=torch.int32), w)
         do = torch.randn_like(o)
         grads = torch.autograd.grad(o, (q, k, v), do)
-    o_ref = module_reference.sliding_window_attention(q, k, v, cu, w, Dqk ** -0.5)
+    o_ref = reference.sliding_window_attention(q, k, v, cu, w, Dqk ** -0.5)
     ref_grads = torch.autograd.grad(o_ref, (q, k, v), do)
     assert_close(o, o_ref, name="o")
     for name, a, e in zip(("dq", "dk", "dv"), grads, ref_grads):
@@ -46,7 +46,7 @@ def test_low_precision_forward(dtype):
     q, k, v = _inputs([0, 30, 64], 4, 2, 16, 16, dtype=dtype)
     o = sliding_window_attention(q, k, v, [0, 30, 64], 9)
     assert o.dtype == dtype
-    assert_close(o, module_reference.sliding_window_attention(q, k, v, [0, 30, 64], 9, 0.25), dtype=dtype)
+    assert_close(o, reference.sliding_window_attention(q, k, v, [0, 30, 64], 9, 0.25), dtype=dtype)
 
 
 def test_gradcheck():

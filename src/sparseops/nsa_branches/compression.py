@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from .. import _checks
-from .module_checks import DTYPES, check_blocks, check_same_dtype, cmp_cu_seqlens, cu_seqlens_list
+from .checks import DTYPES, check_blocks, check_same_dtype, cmp_cu_seqlens, cu_seqlens_list
 
 Compressor = Callable[[torch.Tensor], torch.Tensor]
 

@@ -6,8 +6,8 @@ import torch
 
 from .. import _checks
 from . import chunked_attention as _ca
+from .checks import stats_dtype
 from .compressed_attention import check_cmp_args
-from .module_checks import stats_dtype
 
 
 def importance_weights(block_size: int, stride: int, select_block_size: int) -> list[int]:
@@ -73,7 +73,7 @@ def select_blocks(
     Args:
         q: ``[T, N1, Dqk]`` float16, bfloat16, float32 or float64.
         k_cmp: ``[C, N2, Dqk]``, the dtype of q.
-        lse: ``[T, N1]`` from :func:`~sparseops.nsa.compressed_attention` (``-inf`` where nothing is visible).
+        lse: ``[T, N1]`` from :func:`~sparseops.nsa_branches.compressed_attention` (``-inf`` where nothing is visible).
         cu_seqlens, cu_seqlens_cmp: cumulative lengths with the leading 0 (as for ``compressed_attention``).
         block_size, stride: ``l`` and ``d``; select_block_size: ``l'`` with ``d | l'``.
         select_count: ``n >= init_blocks + local_blocks``; init_blocks, local_blocks: ``>= 0``.

@@ -6,7 +6,7 @@ import torch
 
 from .. import _checks
 from . import chunked_attention as _ca
-from .module_checks import (
+from .checks import (
     DTYPES,
     check_blocks,
     check_heads,
@@ -18,7 +18,7 @@ from .module_checks import (
 
 
 def check_cmp_args(q, k_cmp, v_cmp, cu_seqlens, cu_seqlens_cmp, block_size, stride, scale, v_needed=True):
-    """Checks shared with :func:`~sparseops.nsa.selection.select_blocks`; returns ``(cu, cu_cmp, l, d, scale)``."""
+    """Checks shared with :func:`~sparseops.nsa_branches.select_blocks`; returns ``(cu, cu_cmp, l, d, scale)``."""
     q = _checks.check_tensor("q", q, ndim=3, dtypes=DTYPES)
     k_cmp = _checks.check_tensor("k_cmp", k_cmp, ndim=3)
     check_same_dtype("q", q, k_cmp=k_cmp)
@@ -62,7 +62,7 @@ def compressed_attention(
 
     Args:
         q: ``[T, N1, Dqk]`` float16, bfloat16, float32 or float64.
-        k_cmp: ``[C, N2, Dqk]`` (from :func:`~sparseops.nsa.compress_kv`), the dtype of q, ``N1 = G * N2``,
+        k_cmp: ``[C, N2, Dqk]`` (from :func:`~sparseops.nsa_branches.compress_kv`), the dtype of q, ``N1 = G * N2``,
             ``G <= 32``.
         v_cmp: ``[C, N2, Dv]``.
         cu_seqlens: cumulative lengths of q with the leading 0 (tensor ``[B+1]``, list, or None: one sequence).

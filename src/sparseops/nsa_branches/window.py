@@ -6,7 +6,7 @@ import torch
 
 from .. import _checks
 from . import chunked_attention as _ca
-from .module_checks import DTYPES, check_heads, check_same_dtype, check_scale, cu_seqlens_list
+from .checks import DTYPES, check_heads, check_same_dtype, check_scale, cu_seqlens_list
 
 
 def sliding_window_attention(

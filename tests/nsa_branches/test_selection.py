@@ -4,8 +4,8 @@
 import pytest
 import torch
 
-from sparseops.nsa import compress_kv, compressed_attention, module_reference, select_blocks
-from sparseops.nsa.selection import block_importance, importance_weights
+from sparseops.nsa_branches import compress_kv, compressed_attention, reference, select_blocks
+from sparseops.nsa_branches.selection import block_importance, importance_weights
 
 
 @pytest.mark.parametrize("lds, weights", [
@@ -29,7 +29,7 @@ def test_eq9_by_hand_paper_blocks():
     P = torch.tensor([1.0, 2, 4, 8, 16, 32, 64, 128, 256], dtype=torch.float64)
     # S[0] = 2 P0 + 2 P1 + 2 P2 + P3; S[1] = P3 + 2 P4 + 2 P5 + 2 P6 + P7; S[2] = P7 + 2 P8
     assert block_importance(P, 32, 16, 64, 3).tolist() == [22.0, 8 + 32 + 64 + 128 + 128, 128 + 512]
-    assert torch.equal(block_importance(P, 32, 16, 64, 3), module_reference.importance(P, 32, 16, 64, 3))
+    assert torch.equal(block_importance(P, 32, 16, 64, 3), reference.importance(P, 32, 16, 64, 3))
 
 
 def test_fla_blocks_are_the_identity():
@@ -63,7 +63,7 @@ def test_against_reference_and_invariants(case):
     _, cu, N1, N2, l, d, lb, n, init, local = case
     q, kc, lse, cu_cmp = _setup(cu, N1, N2, 8, l, d)
     got = select_blocks(q, kc, lse, torch.tensor(cu, dtype=torch.int32), cu_cmp, l, d, lb, n, init, local)
-    want = module_reference.select_blocks(q, kc, lse, cu, cu_cmp, l, d, lb, n, init, local, 8 ** -0.5)
+    want = reference.select_blocks(q, kc, lse, cu, cu_cmp, l, d, lb, n, init, local, 8 ** -0.5)
     assert got.dtype == torch.int32 and got.shape == (cu[-1], N2, n)
     assert torch.equal(got, want)
     for b in range(len(cu) - 1):

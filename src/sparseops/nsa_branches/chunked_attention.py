@@ -18,7 +18,7 @@ import dataclasses
 import torch
 
 from .._settings import Settings
-from .module_checks import stats_dtype
+from .checks import stats_dtype
 
 
 @dataclasses.dataclass(frozen=True)

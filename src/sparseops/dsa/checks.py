@@ -1,0 +1,61 @@
+"""Argument checks of :mod:`sparseops.dsa` (docs/dsa.md): they name the argument, the expected and the actual value,
+and run before anything is computed."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _checks, _varlen
+
+#: dtypes of the indexer's and the attention's inputs
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 arithmetic, float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def cu_seqlens_list(cu, total: int) -> list[int]:
+    """flash-attention ``cu_seqlens`` (leading 0, int tensor or list; None = one sequence) -> ``list[int]``."""
+    if cu is None:
+        return [0, int(total)]
+    vals = _varlen.int_list("cu_seqlens", cu)
+    if len(vals) < 2 or vals[0] != 0:
+        raise ValueError(f"cu_seqlens: expected [0, ..., T] with a leading 0, got {vals}")
+    for i in range(1, len(vals)):
+        if vals[i] < vals[i - 1]:
+            raise ValueError(f"cu_seqlens: expected non-decreasing entries, got {vals[i - 1]} then {vals[i]} at {i}")
+    if vals[-1] != total:
+        raise ValueError(f"cu_seqlens: expected the last entry to equal the token count {total}, got {vals[-1]}")
+    return vals
+
+
+def check_indexer_args(q_idx, k_idx, weights, cu_seqlens, causal) -> tuple[list[int], bool]:
+    """``q_idx [T, Hi, Di]``, ``k_idx [T, Di]``, ``weights [T, Hi]`` of one floating dtype on one device;
+    returns ``(cu, causal)``."""
+    q_idx = _checks.check_tensor("q_idx", q_idx, ndim=3, dtypes=DTYPES)
+    k_idx = _checks.check_tensor("k_idx", k_idx, ndim=2)
+    weights = _checks.check_tensor("weights", weights, ndim=2)
+    for name, t in (("k_idx", k_idx), ("weights", weights)):
+        if t.dtype != q_idx.dtype:
+            raise TypeError(f"{name}: expected dtype {q_idx.dtype} (the dtype of q_idx), got {t.dtype}")
+    T, Hi, Di = q_idx.shape
+    _checks.check_shape("k_idx", k_idx, [("T", T), ("Di", Di)])
+    _checks.check_shape("weights", weights, [("T", T), ("Hi", Hi)])
+    _checks.check_same_device(q_idx=q_idx, k_idx=k_idx, weights=weights)
+    return cu_seqlens_list(cu_seqlens, T), _checks.check_bool("causal", causal)
+
+
+def check_positions(indices: torch.Tensor, cu: list[int]) -> None:
+    """Every entry of ``indices [T, topk]`` in ``[-1, S(b))`` of its token's sequence ``b``."""
+    if not _checks.data_checks(True, indices):
+        return
+    seq, _ = _varlen.token_seq_positions(cu, device=indices.device)
+    lens = torch.tensor(_varlen.seq_lengths(cu), dtype=torch.int64, device=indices.device)
+    bad = (indices < -1) | (indices >= lens[seq][:, None])
+    if bool(bad.any()):
+        t, j = (int(i) for i in torch.nonzero(bad)[0])
+        b = int(seq[t])
+        raise ValueError(f"indices: expected in-sequence positions in [-1, {int(lens[b])}) (sequence {b}), got "
+                         f"{int(indices[t, j])} at [{t}, {j}]")

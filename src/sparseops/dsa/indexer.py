@@ -1,0 +1,144 @@
+"""The lightning indexer's exact top-k (docs/dsa.md): chunked, never ``[T, T]``, the scores differentiable.
+
+Per sequence, query tokens run in chunks of :data:`CHUNK_BYTES` of score work: a chunk scores its queries
+against the keys it can see (causal: the prefix up to its last query), ``[C, Hi, S] -> [C, S]``, and keeps the
+``topk`` best keys of each row. The selection is exact with ties going to the smaller position: the ``k``-th
+largest value ``v`` of a row is found with ``topk``; the keys above ``v`` and the first ``k - #above`` keys equal
+to ``v`` (by position) are taken, then ordered by descending score with a stable sort (equal scores stay in
+position order). The returned scores are the chunk's values at those keys; their backward recomputes
+``w . relu(q . k)`` at the selected keys, again in chunks, and adds ``dk_idx`` with ``index_add_`` in chunk order
+(CPU: index order; bitwise repeatable), ``index_put_(accumulate=True)`` on CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _checks
+from .checks import acc_dtype, check_indexer_args
+
+#: bytes of one chunk's score work tensors (forward) and gathered keys (backward)
+CHUNK_BYTES = 32 * 2**20
+
+_NEG_INF = float("-inf")
+
+
+def _exact_topk(sc: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(positions int64 [C, k], values [C, k])`` of each row's ``k`` largest entries, in descending value, ties
+    to the smaller position (``-inf`` entries last, in position order)."""
+    vk = sc.topk(k, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
+    above = sc > vk
+    tie = sc == vk
+    need = k - above.sum(dim=1, keepdim=True)
+    take = above | (tie & (tie.cumsum(dim=1) <= need))
+    pos = take.nonzero()[:, 1].view(sc.shape[0], k)  # row-major: each row's positions ascending
+    val = sc.gather(1, pos)
+    val, order = val.sort(dim=1, descending=True, stable=True)
+    return pos.gather(1, order), val
+
+
+def _chunk_scores(q, k, w, acc):
+    """``w . relu(q k^T)``: ``q [C, Hi, Di]``, ``k [S, Di]``, ``w [C, Hi]`` -> ``[C, S]`` in ``acc``."""
+    C, Hi, Di = q.shape
+    dots = torch.relu_(q.reshape(C * Hi, Di).to(acc) @ k.to(acc).T).view(C, Hi, -1)
+    return torch.bmm(w.to(acc).view(C, 1, Hi), dots).view(C, -1)
+
+
+def _select(q_idx, k_idx, weights, topk, cu, causal):
+    """``(indices int32 [T, topk], scores [T, topk])``, -1 / -inf in unused slots."""
+    T, Hi, _ = q_idx.shape
+    acc = acc_dtype(q_idx.dtype)
+    dev = q_idx.device
+    indices = torch.full((T, topk), -1, dtype=torch.int32, device=dev)
+    scores = torch.full((T, topk), _NEG_INF, dtype=acc, device=dev)
+    elt = torch.finfo(acc).bits // 8
+    for b in range(len(cu) - 1):
+        s0, S = cu[b], cu[b + 1] - cu[b]
+        if S == 0:
+            continue
+        # per query row: Hi + 1 score rows and the int64 tie count
+        C = max(1, min(S, CHUNK_BYTES // ((Hi + 2) * elt + 8) // S))
+        for c0 in range(0, S, C):
+            c1 = min(S, c0 + C)
+            nk = c1 if causal else S
+            sc = _chunk_scores(q_idx[s0 + c0:s0 + c1], k_idx[s0:s0 + nk], weights[s0 + c0:s0 + c1], acc)
+            if causal:
+                later = torch.arange(nk, device=dev)[None, :] > torch.arange(c0, c1, device=dev)[:, None]
+                sc.masked_fill_(later, _NEG_INF)
+            kk = min(topk, nk)
+            pos, val = _exact_topk(sc, kk)
+            dead = val == _NEG_INF
+            indices[s0 + c0:s0 + c1, :kk] = pos.masked_fill(dead, -1).to(torch.int32)
+            scores[s0 + c0:s0 + c1, :kk] = val
+    return indices, scores
+
+
+def _add_rows(buf, rows, src):
+    if buf.device.type != "cpu":
+        buf.index_put_((rows,), src, accumulate=True)  # sorted, fixed-order adds: deterministic on CUDA
+    else:
+        buf.index_add_(0, rows, src)
+
+
+class _IndexerTopk(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_idx, k_idx, weights, topk, cu, causal):
+        indices, scores = _select(q_idx, k_idx, weights, topk, cu, causal)
+        starts = torch.tensor(cu[:-1], dtype=torch.int64, device=q_idx.device)
+        seq = torch.repeat_interleave(torch.arange(len(cu) - 1, device=q_idx.device),
+                                      torch.tensor(cu, device=q_idx.device).diff(), output_size=q_idx.shape[0])
+        ctx.save_for_backward(q_idx, k_idx, weights, indices, starts[seq])
+        ctx.mark_non_differentiable(indices)
+        return indices, scores
+
+    @staticmethod
+    def backward(ctx, _d_indices, d_scores):
+        q_idx, k_idx, weights, indices, start = ctx.saved_tensors
+        T, Hi, Di = q_idx.shape
+        topk = indices.shape[1]
+        acc = acc_dtype(q_idx.dtype)
+        dq = torch.zeros(q_idx.shape, dtype=acc, device=q_idx.device)
+        dk = torch.zeros(k_idx.shape, dtype=acc, device=q_idx.device)
+        dw = torch.zeros(weights.shape, dtype=acc, device=q_idx.device)
+        if T == 0 or d_scores is None:
+            return dq.to(q_idx.dtype), dk.to(k_idx.dtype), dw.to(weights.dtype), None, None, None
+        elt = torch.finfo(acc).bits // 8
+        C = max(1, min(T, CHUNK_BYTES // (topk * (2 * Di + 3 * Hi + 2) * elt)))
+        for t0 in range(0, T, C):
+            t1 = min(T, t0 + C)
+            idx = indices[t0:t1].to(torch.int64)
+            live = idx >= 0
+            rows = torch.where(live, idx + start[t0:t1, None], 0)
+            g = torch.where(live, d_scores[t0:t1].to(acc), 0.0)  # [c, topk]
+            kg = k_idx.index_select(0, rows.view(-1)).view(t1 - t0, topk, Di).to(acc)
+            qs = q_idx[t0:t1].to(acc)
+            dots = torch.bmm(qs, kg.transpose(1, 2))  # [c, Hi, topk]
+            dw[t0:t1] = torch.bmm(torch.relu(dots), g[:, :, None])[..., 0]
+            dr = (dots > 0).to(acc).mul_(weights[t0:t1].to(acc)[:, :, None]).mul_(g[:, None, :])
+            dq[t0:t1] = torch.bmm(dr, kg)
+            _add_rows(dk, rows.view(-1), torch.bmm(dr.transpose(1, 2), qs).view(-1, Di))
+        return dq.to(q_idx.dtype), dk.to(k_idx.dtype), dw.to(weights.dtype), None, None, None
+
+
+def indexer_topk(q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor, topk: int, *, cu_seqlens=None,
+                 causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lightning indexer's exact top-k keys per query (docs/dsa.md).
+
+    ``I[t, s] = sum_j weights[t, j] * relu(q_idx[t, j] . k_idx[s])`` over the keys ``s`` of ``t``'s sequence (at or
+    before ``t`` when causal); each query keeps its ``min(topk, #visible keys)`` largest, in descending ``I``, ties
+    to the smaller position. Memory is ``O(chunk * T + T * topk)``, never ``[T, T]``.
+
+    Args:
+        q_idx: ``[T, Hi, Di]`` the indexer's queries; k_idx: ``[T, Di]`` its keys; weights: ``[T, Hi]`` its head
+            weights (one dtype: fp16, bf16, fp32 or float64; scales folded in by the caller).
+        topk: keys kept per query, ``>= 1``.
+        cu_seqlens: flash-attention cumulative lengths with the leading 0 (int tensor or list), None: one sequence.
+        causal: only keys at or before the query.
+
+    Returns:
+        ``indices [T, topk]`` int32 in-sequence key positions (-1 in unused slots) and ``scores [T, topk]`` fp32
+        (float64 for float64 inputs; -inf at -1), differentiable in ``q_idx``, ``k_idx`` and ``weights``.
+    """
+    cu, causal = check_indexer_args(q_idx, k_idx, weights, cu_seqlens, causal)
+    topk = _checks.check_int("topk", topk, lo=1)
+    return _IndexerTopk.apply(q_idx, k_idx, weights, topk, cu, causal)

@@ -1,0 +1,108 @@
+"""The indexer's KL training loss over the selected keys (docs/dsa.md), from chunks: never ``[T, T]``.
+
+The target ``p_t`` is the main attention's distribution over the selected set, averaged over its query heads,
+computed without gradient in chunks of :data:`CHUNK_BYTES` (each chunk gathers its tokens' selected keys);
+the loss is then ``O(T * topk)`` autograd on the indexer's scores alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _checks
+from .checks import DTYPES, acc_dtype, check_positions, cu_seqlens_list
+
+#: bytes of one chunk's gathered keys and logits while computing the target
+CHUNK_BYTES = 32 * 2**20
+
+
+def _check(q, k, indices, scores, scale, head_num, cu_seqlens):
+    q = _checks.check_tensor("q", q, ndim=3, dtypes=DTYPES)
+    k = _checks.check_tensor("k", k, ndim=3)
+    if k.dtype != q.dtype:
+        raise TypeError(f"k: expected dtype {q.dtype} (the dtype of q), got {k.dtype}")
+    indices = _checks.check_tensor("indices", indices, ndim=2, dtypes=_checks.INDEX_DTYPES)
+    scores = _checks.check_tensor("scores", scores, ndim=2, dtypes=DTYPES)
+    T, N1, D = q.shape
+    N2 = k.shape[1]
+    _checks.check_shape("k", k, [("T", T), ("N2", -1), ("Dqk", D)])
+    if N2 < 1 or N1 % N2:
+        raise ValueError(f"k: expected N2 = k.shape[1] >= 1 dividing N1 = {N1}, got N2 = {N2}")
+    _checks.check_shape("indices", indices, [("T", T), ("topk", -1)])
+    _checks.check_shape("scores", scores, [("T", T), ("topk", indices.shape[1])])
+    if indices.shape[1] < 1:
+        raise ValueError("indices: expected topk = indices.shape[1] >= 1, got 0")
+    scale = _checks.check_float("scale", scale)
+    if _checks.check_int("head_num", head_num) != N1:
+        raise ValueError(f"head_num: expected N1 = q.shape[1] = {N1}, got {head_num}")
+    _checks.check_same_device(q=q, k=k, indices=indices, scores=scores)
+    cu = cu_seqlens_list(cu_seqlens, T)
+    check_positions(indices, cu)
+    return scale, cu
+
+
+@torch.no_grad()
+def _target(q, k, indices, scale, cu):
+    """``p [T, topk]``: the head-averaged softmax of ``scale * q . k`` over each token's selected keys (0 at -1)."""
+    T, N1, D = q.shape
+    N2 = k.shape[1]
+    G, topk = N1 // N2, indices.shape[1]
+    acc = acc_dtype(q.dtype)
+    dev = q.device
+    seq = torch.repeat_interleave(torch.arange(len(cu) - 1, device=dev), torch.tensor(cu, device=dev).diff(),
+                                  output_size=T)
+    start = torch.tensor(cu[:-1], dtype=torch.int64, device=dev)[seq]
+    p = torch.zeros(T, topk, dtype=acc, device=dev)
+    elt = torch.finfo(acc).bits // 8
+    C = max(1, min(T, CHUNK_BYTES // (topk * (N2 * D + 2 * N1 + 1) * elt)))
+    kf = k.reshape(T * N2, D)
+    for t0 in range(0, T, C):
+        t1 = min(T, t0 + C)
+        c = t1 - t0
+        idx = indices[t0:t1].to(torch.int64)
+        live = idx >= 0
+        rows = torch.where(live, idx + start[t0:t1, None], 0)  # [c, topk]
+        kg = kf.index_select(0, (rows[:, None, :] * N2 + torch.arange(N2, device=dev)[:, None]).view(-1))
+        kg = kg.view(c * N2, topk, D).to(acc)
+        x = torch.bmm(q[t0:t1].to(acc).view(c * N2, G, D), kg.transpose(1, 2)).mul_(scale).view(c, N1, topk)
+        x.masked_fill_(~live[:, None, :], float("-inf"))
+        mx = x.amax(dim=-1, keepdim=True)
+        e = x.sub_(torch.where(mx == float("-inf"), 0.0, mx)).exp_()
+        sm = e.sum(dim=-1, keepdim=True)
+        p[t0:t1] = e.mul_(torch.where(sm > 0, 1.0 / sm, 0.0)).mean(dim=1)
+    return p
+
+
+def indexer_kl_loss(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, scores: torch.Tensor, *, scale: float,
+                    head_num: int, cu_seqlens=None) -> torch.Tensor:
+    """The lightning indexer's training loss (DeepSeek-V3.2, docs/dsa.md).
+
+    ``(1 / T) sum_t KL(p_t || softmax(scores_t))`` over each token's selected keys ``S_t`` (the slots of ``indices``
+    that are not -1), where ``p_t(s) = (1 / N1) sum_h softmax_{s' in S_t}(scale * q[t, h] . k[s', h // G])`` is the
+    main attention's distribution over ``S_t`` averaged over its heads, a constant: the gradient flows to
+    ``scores`` only. A token with no selected key adds 0. The dense warm-up is the same call with ``S_t`` every
+    visible key (``indexer_topk`` with ``topk`` at least the longest sequence).
+
+    Args:
+        q: ``[T, N1, Dqk]`` the main attention's queries; k: ``[T, N2, Dqk]`` its keys (``N2`` divides ``N1``).
+        indices: ``[T, topk]`` int32/int64 in-sequence key positions, -1 = unused (``indexer_topk``'s).
+        scores: ``[T, topk]`` the indexer's scores at ``indices`` (any value at -1).
+        scale: the attention's softmax scale. head_num: ``N1``.
+        cu_seqlens: flash-attention cumulative lengths with the leading 0, or None for one sequence.
+
+    Returns:
+        a 0-dim tensor, fp32 (float64 for float64 scores).
+    """
+    scale, cu = _check(q, k, indices, scores, scale, head_num, cu_seqlens)
+    T = q.shape[0]
+    acc = acc_dtype(scores.dtype)
+    if T == 0:
+        return scores.new_zeros((), dtype=acc) + scores.sum() * 0
+    p = _target(q, k, indices, scale, cu).to(acc)
+    live = indices >= 0
+    any_live = live.any(dim=1, keepdim=True)
+    # rows without a selected key get finite dummy logits; their p is 0, so they add 0
+    logits = torch.where(live, scores.to(acc), float("-inf")).masked_fill(~any_live, 0.0)
+    logq = torch.log_softmax(logits, dim=1)
+    kl = torch.where(p > 0, p * (torch.log(torch.where(p > 0, p, 1.0)) - logq), 0.0)
+    return kl.sum() / T

@@ -1,0 +1,173 @@
+"""``attn_implementation="sparseops"`` for transformers' DeepSeek Sparse Attention models (docs/dsa.md).
+
+Importing this module registers, through transformers' public registries:
+
+- ``AttentionInterface["sparseops"]`` = :func:`dsa_attention`: the attention of ``deepseek_v32`` and
+  ``glm_moe_dsa`` over the indexer's ``indices`` with :func:`sparseops.nsa_selected_attention` at token
+  granularity, in ``O(T * topk)`` (eager folds the top-k into a dense ``[T, T]`` mask);
+- ``AttentionMaskInterface["sparseops"]`` = transformers' boolean ``sdpa_mask``, which the models' indexer reads.
+
+:class:`indexer_training` trains the indexers, which transformers runs under ``no_grad``, with
+:func:`sparseops.dsa.indexer_kl_loss` (the paper's warm-up and sparse stages).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ..dsa import indexer_kl_loss, indexer_topk
+from ..nsa.api import nsa_selected_attention
+
+#: the ``attn_implementation`` name
+NAME = "sparseops"
+
+#: each supported indexer's RoPE, a function of its modeling module: DeepSeek-V3.2 rotates half-split pairs,
+#: GLM-MoE-DSA interleaved pairs
+_INDEXER_ROPE = {"DeepseekV32Indexer": "apply_rotary_pos_emb", "GlmMoeDsaIndexer": "apply_rotary_pos_emb_interleave"}
+
+#: the active :class:`indexer_training` contexts (innermost last)
+_TRAINING: list[indexer_training] = []
+
+
+def _visible(indices: torch.Tensor, attention_mask: torch.Tensor | None, S: int, T: int) -> torch.Tensor:
+    """``[B, S, topk]`` bool: whether the mask lets each query see its selected key (gathered: never ``[T, T]``
+    beyond the mask the model already holds). None: causal, the queries the last ``S`` of the ``T`` keys."""
+    if attention_mask is None:
+        pos = torch.arange(S, device=indices.device) + (T - S)
+        return indices <= pos[None, :, None]
+    if attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
+        raise ValueError(f"attention_mask: expected [B, 1, S, T], got {list(attention_mask.shape)}")
+    m = attention_mask[:, 0].expand(indices.shape[0], S, T)
+    got = m.gather(2, indices)
+    return got if got.dtype == torch.bool else got == 0
+
+
+def dsa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                  indices: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """The attention of a transformers DSA layer (``AttentionInterface`` signature) over its indexer's keys.
+
+    Args:
+        module: the attention module (its indexer, when :class:`indexer_training` is active).
+        query: ``[B, N1, S, Dqk]``; key: ``[B, N2, T, Dqk]``; value: ``[B, N2, T, Dv]`` (``N2`` divides ``N1``).
+        attention_mask: the boolean ``[B, 1, S, T]`` mask of :data:`NAME`'s mask function (or an additive one,
+            0 = visible), gathered at ``indices``; None: causal.
+        scaling: the softmax scale (default ``Dqk^-0.5``). dropout: must be 0.
+        indices: ``[B, S, topk]`` the indexer's key positions, ``topk <= 2048``.
+
+    Returns:
+        ``(out [B, S, N1, Dv], None)``.
+    """
+    if indices is None:
+        raise ValueError("indices: attn_implementation='sparseops' runs DeepSeek Sparse Attention layers "
+                         "(deepseek_v32, glm_moe_dsa), which pass the indexer's top-k indices; got None")
+    if dropout:
+        raise ValueError(f"dropout: expected 0 (attention dropout is not supported), got {dropout}")
+    B, N1, S, D = query.shape
+    N2, T, Dv = key.shape[1], key.shape[2], value.shape[-1]
+    if indices.dim() != 3 or indices.shape[:2] != (B, S):
+        raise ValueError(f"indices: expected [B={B}, S={S}, topk], got {list(indices.shape)}")
+    idx = indices.long()
+    K = idx.shape[-1]
+    idx = torch.where(_visible(idx, attention_mask, S, T), idx, -1)
+    scale = D ** -0.5 if scaling is None else float(scaling)
+    q = query.transpose(1, 2).reshape(B * S, N1, D)
+    k = key.transpose(1, 2).reshape(B * T, N2, D)
+    v = value.transpose(1, 2).reshape(B * T, N2, Dv)
+    topk = idx.to(torch.int32).reshape(B * S, 1, K).expand(B * S, N2, K).contiguous()
+    out = nsa_selected_attention(
+        q, k, v, topk, scale, N1, 1, K, actual_seq_qlen=[S * (b + 1) for b in range(B)],
+        actual_seq_kvlen=[T * (b + 1) for b in range(B)], sparse_mode=0, validate=False)[0]
+    if _TRAINING:
+        _TRAINING[-1]._layer_loss(module, q, k, scale, B, S, T)
+    return out.view(B, S, N1, Dv), None
+
+
+def indexer_inputs(attn: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings) -> tuple:
+    """``(q_idx [B*S, Hi, Di], k_idx [B*S, Di], weights [B*S, Hi])`` of a transformers DSA attention module's
+    indexer, differentiable in the indexer's parameters: its math (RoPE on the first ``qk_rope_head_dim`` dims,
+    ``softmax_scale`` folded into ``q_idx``, ``n_heads^-0.5`` into ``weights``) with the indexer's input
+    ``hidden_states`` and the query residual ``q_a_layernorm(q_a_proj(hidden_states))`` detached."""
+    ix = attn.indexer
+    name = _INDEXER_ROPE.get(type(ix).__name__)
+    if name is None:
+        raise ValueError(f"attn: expected an attention module with one of the indexers {tuple(_INDEXER_ROPE)}, "
+                         f"got {type(ix).__name__}")
+    rope = getattr(sys.modules[type(ix).__module__], name)
+    B, S, _ = hidden_states.shape
+    h = hidden_states.detach()
+    with torch.no_grad():
+        q_resid = attn.q_a_layernorm(attn.q_a_proj(h))
+    H, D, R = ix.n_heads, ix.head_dim, ix.qk_rope_head_dim
+    q = ix.wq_b(q_resid).view(B, S, H, D)
+    k = ix.k_norm(ix.wk(h)).unsqueeze(2)
+    cos, sin = position_embeddings
+    q_rot, k_rot = rope(q[..., :R], k[..., :R], cos, sin, unsqueeze_dim=2)
+    q = torch.cat([q_rot, q[..., R:]], dim=-1) * ix.softmax_scale
+    k = torch.cat([k_rot, k[..., R:]], dim=-1)
+    w = ix.weights_proj(h.to(ix.weights_proj.weight.dtype)) * H ** -0.5
+    return q.reshape(B * S, H, D), k.reshape(B * S, D), w.reshape(B * S, H).to(q.dtype)
+
+
+class indexer_training(contextlib.AbstractContextManager):  # noqa: N801  (used as a function-like context)
+    """Collects the indexer loss of every DSA layer of ``model`` during the forwards run inside it.
+
+    ``with indexer_training(model) as losses: out = model(ids, labels=ids)``, then
+    ``(out.loss + sum(losses)).backward()``: ``losses`` holds one :func:`sparseops.dsa.indexer_kl_loss` per layer
+    with an indexer, over the keys :func:`sparseops.dsa.indexer_topk` selects from :func:`indexer_inputs` (each
+    indexer's ``index_topk``; set it to the sequence length for the dense warm-up), with the main attention's
+    queries and keys (detached) as the target. The indexer's input is detached: the losses train the indexers
+    only. The model must run ``attn_implementation="sparseops"`` on unpadded batches (``attention_mask`` None or
+    all ones), without a cache.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.losses: list[torch.Tensor] = []
+        self._inputs: dict[int, tuple] = {}
+        self._hooks = []
+
+    def __enter__(self) -> list[torch.Tensor]:
+        for mod in self.model.modules():
+            if isinstance(getattr(mod, "indexer", None), torch.nn.Module):
+                self._hooks.append(mod.register_forward_pre_hook(self._capture, with_kwargs=True))
+        _TRAINING.append(self)
+        return self.losses
+
+    def __exit__(self, *exc) -> None:
+        _TRAINING.remove(self)
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._inputs.clear()
+
+    def _capture(self, mod, args, kwargs):
+        hs = args[0] if args else kwargs["hidden_states"]
+        pe = args[1] if len(args) > 1 else kwargs["position_embeddings"]
+        self._inputs[id(mod)] = (hs, pe)
+
+    def _layer_loss(self, mod, q, k, scale, B, S, T) -> None:
+        if id(mod) not in self._inputs:
+            return  # a layer that reuses another layer's selection (glm_moe_dsa's "shared" layers)
+        if S != T:
+            raise ValueError(f"indexer_training: expected no cache (as many keys as queries), got S={S}, T={T}")
+        hs, pe = self._inputs.pop(id(mod))
+        q_idx, k_idx, w = indexer_inputs(mod, hs, pe)
+        cu = [S * b for b in range(B + 1)]
+        idx, scores = indexer_topk(q_idx, k_idx, w, mod.indexer.index_topk, cu_seqlens=cu, causal=True)
+        self.losses.append(indexer_kl_loss(q.detach(), k.detach(), idx, scores, scale=scale, head_num=q.shape[1],
+                                           cu_seqlens=cu))
+
+
+def register() -> None:
+    """Register :data:`NAME` in transformers' attention and attention-mask registries (done at import)."""
+    AttentionInterface.register(NAME, dsa_attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+register()

@@ -1,0 +1,124 @@
+"""indexer_topk against the dense float64 scores (index_scores): the exact selection with ties to the smaller
+position, short sequences, varlen, causal and not, chunking, the scores' gradients; bad input."""
+
+import pytest
+import torch
+
+from sparseops.dsa import index_scores, indexer, indexer_topk
+from sparseops.testing import assert_close
+
+
+def _inputs(T, Hi=3, Di=8, dtype=torch.float64, seed=0, ties=False):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, Hi, Di, generator=g, dtype=torch.float64)
+    k = torch.randn(T, Di, generator=g, dtype=torch.float64)
+    w = torch.randn(T, Hi, generator=g, dtype=torch.float64)
+    if ties:  # few distinct keys: many equal scores in every row
+        k = k[torch.randint(0, 3, (T,), generator=g)]
+    return [t.to(dtype).requires_grad_() for t in (q, k, w)]
+
+
+def _expected(q, k, w, topk, cu, causal):
+    """Per row of the dense scores: a stable descending sort (ties keep position order), the finite ones first."""
+    dense = index_scores(q, k, w, cu_seqlens=cu, causal=causal)
+    T = dense.shape[0]
+    starts = torch.zeros(T, dtype=torch.int64)
+    for a, b in zip(cu[:-1], cu[1:]):
+        starts[a:b] = a
+    order = torch.sort(dense.detach(), dim=1, descending=True, stable=True).indices[:, :topk]
+    val = dense.gather(1, order)
+    idx = torch.where(torch.isfinite(val), order - starts[:, None], -1)
+    width = min(topk, T)
+    full_idx = torch.full((T, topk), -1, dtype=torch.int64)
+    full_idx[:, :width] = idx
+    return full_idx, dense, starts
+
+
+CASES = [
+    # T, cu, topk, causal, ties
+    (12, None, 5, True, False),
+    (12, None, 40, True, False),  # topk > T: -1 fill
+    (17, [0, 5, 5, 17], 4, True, True),  # an empty sequence, ties
+    (17, [0, 9, 17], 6, False, True),
+    (30, [0, 1, 30], 30, False, False),  # every key: the dense warm-up selection
+]
+
+
+@pytest.mark.parametrize("T, cu, topk, causal, ties", CASES)
+def test_topk_matches_dense_reference(T, cu, topk, causal, ties, monkeypatch):
+    q, k, w = _inputs(T, ties=ties)
+    cu_l = cu if cu is not None else [0, T]
+    for chunk in (indexer.CHUNK_BYTES, 1):  # one chunk per sequence, and one query row per chunk
+        exp_idx, dense, starts = _expected(q, k, w, topk, cu_l, causal)
+        monkeypatch.setattr(indexer, "CHUNK_BYTES", chunk)
+        idx, sc = indexer_topk(q, k, w, topk, cu_seqlens=cu, causal=causal)
+        assert idx.dtype == torch.int32 and idx.shape == (T, topk)
+        assert torch.equal(idx.long(), exp_idx)
+        live = idx >= 0
+        rows = torch.where(live, idx.long() + starts[:, None], 0)
+        exp_sc = torch.where(live, dense.gather(1, rows), float("-inf"))
+        assert_close(sc, exp_sc, torch.float64, name="scores")
+        # gradients: autograd through the dense scores at the same slots
+        g = torch.randn(T, topk, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+        got = torch.autograd.grad((sc.masked_fill(~live, 0) * g).sum(), (q, k, w))
+        want = torch.autograd.grad((exp_sc.masked_fill(~live, 0) * g).sum(), (q, k, w))
+        for name, a, b in zip(("dq_idx", "dk_idx", "dweights"), got, want):
+            assert_close(a, b, torch.float64, name=name)
+
+
+def test_ties_go_to_the_smaller_position():
+    T = 8
+    q = torch.ones(T, 1, 2, dtype=torch.float64)
+    k = torch.ones(T, 2, dtype=torch.float64)  # every score equal
+    w = torch.ones(T, 1, dtype=torch.float64)
+    idx, sc = indexer_topk(q, k, w, 3, causal=False)
+    assert idx.tolist() == [[0, 1, 2]] * T
+    idx, _ = indexer_topk(q, k, w, 3, causal=True)
+    assert idx[0].tolist() == [0, -1, -1] and idx[5].tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_low_precision_scores_are_fp32(dtype):
+    q, k, w = _inputs(20, dtype=dtype, seed=1)
+    idx, sc = indexer_topk(q, k, w, 6)
+    assert sc.dtype == torch.float32
+    dense = index_scores(q, k, w)
+    live = idx >= 0
+    assert_close(sc[live], dense.gather(1, idx.long().clamp(min=0))[live], torch.float32)
+    sc[live].sum().backward()
+    assert q.grad.dtype == dtype and k.grad.dtype == dtype
+
+
+def test_backward_bitwise_repeatable():
+    q, k, w = _inputs(40, seed=2)
+    grads = []
+    for _ in range(2):
+        idx, sc = indexer_topk(q, k, w, 7)
+        grads.append(torch.autograd.grad(sc[idx >= 0].sum(), (q, k, w)))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_empty_input():
+    q, k, w = _inputs(0)
+    idx, sc = indexer_topk(q, k, w, 4)
+    assert idx.shape == (0, 4) and sc.shape == (0, 4)
+
+
+@pytest.mark.parametrize("edit, exc, msg", [
+    (lambda a: a.update(topk=0), ValueError, "topk"),
+    (lambda a: a.update(topk=2.0), TypeError, "topk"),
+    (lambda a: a.update(k_idx=a["k_idx"][:-1]), ValueError, "k_idx"),
+    (lambda a: a.update(weights=a["weights"][:, :2]), ValueError, "weights"),
+    (lambda a: a.update(k_idx=a["k_idx"].float()), TypeError, "k_idx"),
+    (lambda a: a.update(q_idx=a["q_idx"][0]), ValueError, "q_idx"),
+    (lambda a: a.update(cu_seqlens=[0, 5]), ValueError, "cu_seqlens"),
+    (lambda a: a.update(cu_seqlens=[1, 10]), ValueError, "cu_seqlens"),
+    (lambda a: a.update(causal=1), TypeError, "causal"),
+])
+def test_bad_input(edit, exc, msg):
+    q, k, w = _inputs(10)
+    a = {"q_idx": q, "k_idx": k, "weights": w, "topk": 3}
+    edit(a)
+    with pytest.raises(exc, match=msg):
+        indexer_topk(**a)

@@ -1,0 +1,101 @@
+"""indexer_kl_loss against a dense float64 oracle: KL of the head-averaged attention over the selected set,
+gradient to the scores only, varlen, GQA, -1 slots, the dense warm-up selection, chunking; bad input."""
+
+import pytest
+import torch
+
+from sparseops.dsa import indexer_kl_loss, indexer_topk, loss
+from sparseops.testing import assert_close
+
+
+def _dense_loss(q, k, indices, scores, scale, cu):
+    """Dense: the [T, T] selected-set mask from ``indices``, per-head softmax over it, KL(p || softmax(scores))."""
+    T, N1, _ = q.shape
+    G = N1 // k.shape[1]
+    starts = torch.zeros(T, dtype=torch.int64)
+    for a, b in zip(cu[:-1], cu[1:]):
+        starts[a:b] = a
+    sel = torch.zeros(T, T, dtype=torch.bool)
+    live = indices >= 0
+    t_idx = torch.arange(T)[:, None].expand_as(indices)[live]
+    sel[t_idx, (indices.long() + starts[:, None])[live]] = True
+    kk = k.repeat_interleave(G, dim=1)
+    logits = torch.einsum("thd,shd->ths", q, kk) * scale
+    att = torch.softmax(logits.masked_fill(~sel[:, None, :], float("-inf")), dim=-1).nan_to_num(0.0)
+    p = att.mean(dim=1)  # [T, T]
+    full = torch.full((T, T), float("-inf"), dtype=scores.dtype)
+    full[t_idx, (indices.long() + starts[:, None])[live]] = scores[live]
+    logq = torch.log_softmax(full.masked_fill(~sel.any(1, keepdim=True), 0.0), dim=-1)
+    kl = torch.where(sel & (p > 0), p * (torch.log(p.clamp_min(1e-300)) - logq), 0.0)
+    return kl.sum() / T
+
+
+def _case(T, cu, N1, N2, topk, seed=0, causal=True):
+    g = torch.Generator().manual_seed(seed)
+    d = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    q, k = d(T, N1, 16), d(T, N2, 16)
+    qi, ki, wi = d(T, 2, 8), d(T, 8), d(T, 2)
+    indices, scores = indexer_topk(qi, ki, wi.requires_grad_(), topk, cu_seqlens=cu, causal=causal)
+    return q, k, indices, scores, wi
+
+
+@pytest.mark.parametrize("T, cu, N1, N2, topk, causal", [
+    (20, None, 4, 1, 6, True),
+    (23, [0, 7, 7, 23], 4, 2, 5, True),
+    (23, [0, 7, 23], 2, 2, 4, False),
+    (16, None, 3, 1, 16, True),  # dense warm-up: every visible key
+])
+def test_matches_dense_oracle(T, cu, N1, N2, topk, causal, monkeypatch):
+    q, k, indices, scores, wi = _case(T, cu, N1, N2, topk, causal=causal)
+    cu_l = cu if cu is not None else [0, T]
+    want = _dense_loss(q, k, indices, scores, 0.25, cu_l)
+    (g_want,) = torch.autograd.grad(want, wi, retain_graph=True)
+    for chunk in (loss.CHUNK_BYTES, 1):
+        monkeypatch.setattr(loss, "CHUNK_BYTES", chunk)
+        got = indexer_kl_loss(q, k, indices, scores, scale=0.25, head_num=N1, cu_seqlens=cu)
+        assert got.dim() == 0 and got.dtype == torch.float64
+        assert_close(got, want, torch.float64, name="loss")
+        (g_got,) = torch.autograd.grad(got, wi, retain_graph=True)
+        assert_close(g_got, g_want, torch.float64, name="dweights")
+
+
+def test_zero_when_the_indexer_matches_and_no_grad_to_q_k():
+    T, N1 = 10, 2
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(T, N1, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(T, 1, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    indices = torch.tensor([[0, -1]] * T, dtype=torch.int32)  # one key each: p = 1 = softmax of one score
+    scores = torch.randn(T, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    out = indexer_kl_loss(q, k, indices, scores, scale=1.0, head_num=N1)
+    assert out.item() == 0.0
+    out.backward()
+    assert q.grad is None and k.grad is None and scores.grad.abs().max() == 0
+
+
+def test_float32_scores_and_empty_rows():
+    T = 12
+    q, k, indices, scores, wi = _case(T, None, 2, 1, 4)
+    indices = indices.clone()
+    indices[3] = -1  # a token with no key adds 0
+    got = indexer_kl_loss(q.float(), k.float(), indices, scores.float(), scale=0.3, head_num=2)
+    want = _dense_loss(q, k, indices, scores, 0.3, [0, T])
+    assert got.dtype == torch.float32
+    assert_close(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("edit, exc, msg", [
+    (lambda a: a.update(head_num=3), ValueError, "head_num"),
+    (lambda a: a.update(k=a["k"][:, :, :5]), ValueError, "k"),
+    (lambda a: a.update(k=torch.zeros(8, 3, 16, dtype=torch.float64)), ValueError, "N2"),
+    (lambda a: a.update(indices=a["indices"].clone().fill_(8)), ValueError, "indices"),
+    (lambda a: a.update(indices=a["indices"].float()), TypeError, "indices"),
+    (lambda a: a.update(scores=a["scores"][:, :2]), ValueError, "scores"),
+    (lambda a: a.update(scale=float("nan")), ValueError, "scale"),
+    (lambda a: a.update(cu_seqlens=[0, 3]), ValueError, "cu_seqlens"),
+])
+def test_bad_input(edit, exc, msg):
+    q, k, indices, scores, _ = _case(8, None, 4, 2, 3)
+    a = {"q": q, "k": k, "indices": indices, "scores": scores, "scale": 0.5, "head_num": 4}
+    edit(a)
+    with pytest.raises(exc, match=msg):
+        indexer_kl_loss(**a)

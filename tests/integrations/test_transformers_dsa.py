@@ -1,0 +1,199 @@
+"""attn_implementation="sparseops" for transformers' deepseek_v32 and glm_moe_dsa on tiny float64 models built
+here (no downloads): logits and every gradient against sdpa (float64 throughout) and eager (whose softmax runs in
+fp32 by design), causal and with a cache; padding; the registries; indexer_training (losses, gradients only on the
+indexers, the same selection as transformers' indexer); bad calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the transformers integration needs transformers")
+tdsa = pytest.importorskip("sparseops.integrations.transformers_dsa")
+
+from sparseops.dsa import index_scores  # noqa: E402
+from sparseops.testing import assert_close  # noqa: E402
+
+_COMMON = dict(vocab_size=40, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, n_shared_experts=1,
+               n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=24,
+               qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, index_topk=5, index_head_dim=16,
+               index_n_heads=2, first_k_dense_replace=1, max_position_embeddings=128, num_attention_heads=4,
+               num_key_value_heads=4)
+
+
+def _model(family, seed=0):
+    torch.manual_seed(seed)
+    if family == "deepseek_v32":
+        cfg = transformers.DeepseekV32Config(num_hidden_layers=2, **_COMMON)
+        m = transformers.DeepseekV32ForCausalLM(cfg)
+    else:
+        cfg = transformers.GlmMoeDsaConfig(num_hidden_layers=3, indexer_types=["full", "shared", "full"], **_COMMON)
+        m = transformers.GlmMoeDsaForCausalLM(cfg)
+    m = m.double()
+    m.set_experts_implementation("eager")  # transformers' grouped_mm takes no float64
+    return m
+
+
+def _run(m, impl, ids, attention_mask=None):
+    m.set_attn_implementation(impl)
+    m.zero_grad()
+    out = m(ids, attention_mask=attention_mask, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_logits_and_every_gradient_match(family):
+    m = _model(family)
+    ids = torch.randint(0, 40, (2, 13), generator=torch.Generator().manual_seed(1))
+    ours = _run(m, "sparseops", ids)
+    for impl, dtype in (("sdpa", torch.float64), ("eager", torch.float32)):
+        logits, grads = _run(m, impl, ids)
+        assert_close(ours[0], logits, dtype, name=f"logits vs {impl}")
+        assert grads.keys() == ours[1].keys()
+        for n, g in grads.items():
+            assert_close(ours[1][n], g, dtype, name=f"d{n} vs {impl}")
+
+
+def test_sparse_selection_is_exercised():
+    """index_topk = 5 < the sequence: eager's dense attention differs, so the selection is what matches."""
+    m = _model("deepseek_v32")
+    ids = torch.randint(0, 40, (1, 16), generator=torch.Generator().manual_seed(2))
+    ours, _ = _run(m, "sparseops", ids)
+    for layer in m.model.layers:
+        layer.self_attn.indexer.index_topk = 16
+    dense, _ = _run(m, "sparseops", ids)
+    assert (ours - dense).abs().max() > 1e-6
+
+
+def test_left_padding_rows_match():
+    m = _model("deepseek_v32")
+    ids = torch.randint(0, 40, (2, 11), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 11, dtype=torch.long)
+    mask[1, :4] = 0
+    m.set_attn_implementation("sparseops")
+    with torch.no_grad():
+        ours = m(ids, attention_mask=mask).logits
+        m.set_attn_implementation("sdpa")
+        ref = m(ids, attention_mask=mask).logits
+    keep = mask.bool()
+    assert_close(ours[keep], ref[keep], torch.float64)
+
+
+def test_generate_with_a_cache_matches_sdpa():
+    m = _model("deepseek_v32")
+    ids = torch.randint(0, 40, (1, 9), generator=torch.Generator().manual_seed(4))
+    outs = {}
+    for impl in ("sparseops", "sdpa"):
+        m.set_attn_implementation(impl)
+        with torch.no_grad():
+            outs[impl] = m.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True,
+                                    return_dict_in_generate=True)
+    assert torch.equal(outs["sparseops"].sequences, outs["sdpa"].sequences)
+    for a, b in zip(outs["sparseops"].logits, outs["sdpa"].logits):
+        assert_close(a, b, torch.float64)
+
+
+def test_registered_in_both_registries():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    assert AttentionInterface._global_mapping[tdsa.NAME] is tdsa.dsa_attention
+    assert tdsa.NAME in AttentionMaskInterface._global_mapping
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_indexer_training_losses_train_only_the_indexers(family):
+    m = _model(family)
+    m.set_attn_implementation("sparseops")
+    ids = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(5))
+    with tdsa.indexer_training(m) as losses:
+        out = m(ids, labels=ids)
+    n_indexers = sum(1 for mod in m.modules() if isinstance(getattr(mod, "indexer", None), torch.nn.Module))
+    assert len(losses) == n_indexers >= 2 and all(torch.isfinite(x) and x > 0 for x in losses)
+    m.zero_grad()
+    sum(losses).backward()
+    grads = {n for n, p in m.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert grads and all(".indexer." in n for n in grads)
+    assert out.loss.requires_grad  # the LM loss is untouched
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_indexer_inputs_select_what_transformers_selects(family):
+    m = _model(family)
+    m.set_attn_implementation("sparseops")
+    attn = m.model.layers[0].self_attn
+    seen = {}
+    hook = attn.register_forward_pre_hook(lambda mod, a, kw: seen.update(kw), with_kwargs=True)
+    ids = torch.randint(0, 40, (1, 14), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        m(ids)
+    hook.remove()
+    hs, pe = seen["hidden_states"], seen["position_embeddings"]
+    S = hs.shape[1]
+    with torch.no_grad():
+        q_resid = attn.q_a_layernorm(attn.q_a_proj(hs))
+        causal = torch.ones(S, S, dtype=torch.bool).tril()[None]
+        theirs = attn.indexer(hs, q_resid, pe, causal, None)[0]  # [S, topk]
+        inputs = tdsa.indexer_inputs(attn, hs, pe)
+        ours, _ = tdsa.indexer_topk(*inputs, attn.indexer.index_topk)
+        dense = index_scores(*inputs)
+    # relu makes exact ties (at 0) common, which torch.topk breaks arbitrarily: compare the selected scores
+    for s in range(S):
+        want = sorted(dense[s, [int(i) for i in theirs[s] if i <= s]].tolist())
+        got = sorted(dense[s, [int(i) for i in ours[s] if i >= 0]].tolist())
+        assert got == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+
+def test_bad_calls():
+    q = torch.randn(1, 2, 4, 8)
+    k = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="indices"):
+        tdsa.dsa_attention(None, q, k, k, None)
+    idx = torch.zeros(1, 4, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="dropout"):
+        tdsa.dsa_attention(None, q, k, k, None, dropout=0.1, indices=idx)
+    with pytest.raises(ValueError, match="indices"):
+        tdsa.dsa_attention(None, q, k, k, None, indices=idx[:, :3])
+
+
+def test_docs_indexer_training_recipe():
+    """docs/dsa.md's two stages on a tiny model: the warm-up lowers the indexer loss, changes only the indexers;
+    the sparse stage trains everything."""
+    m = _model("deepseek_v32", seed=7).float()
+    m.set_attn_implementation("sparseops")
+    cfg = m.config
+    ids = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(8))
+    indexers = [mod.indexer for mod in m.modules() if isinstance(getattr(mod, "indexer", None), torch.nn.Module)]
+    index_params = [p for ix in indexers for p in ix.parameters()]
+    with torch.no_grad():  # a peaked indexer, far from the near-uniform attention of a fresh model
+        for ix in indexers:
+            ix.weights_proj.weight.mul_(30.0)
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    for ix in indexers:
+        ix.index_topk = ids.shape[1]
+    m.requires_grad_(False)
+    for p in index_params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(index_params, lr=1e-2)
+    warm = []
+    for _ in range(8):
+        with tdsa.indexer_training(m) as losses:
+            m(ids)
+        opt.zero_grad()
+        sum(losses).backward()
+        opt.step()
+        warm.append(sum(losses).item())
+    assert warm[-1] < warm[0]
+    changed = {n for n, p in m.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all(".indexer." in n for n in changed)
+    for ix in indexers:
+        ix.index_topk = cfg.index_topk
+    m.requires_grad_(True)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    with tdsa.indexer_training(m) as losses:
+        out = m(ids, labels=ids)
+    opt.zero_grad()
+    (out.loss + sum(losses)).backward()
+    opt.step()
+    assert m.lm_head.weight.grad is not None and indexers[0].wk.weight.grad is not None

@@ -1,0 +1,139 @@
+"""DeepSeekSparseAttention against a dense float64 oracle from its own parameters (output, the indexer loss and
+every parameter gradient), causality, packing invariance, the indexer trained only by its loss, bad input."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparseops.nn import DeepSeekSparseAttention
+from sparseops.testing import assert_close
+
+
+def _rope(x, pos, theta):
+    D = x.shape[-1]
+    z = torch.complex(x[..., :D // 2], x[..., D // 2:])
+    ang = pos.double()[:, None, None] * theta ** (-torch.arange(D // 2, dtype=torch.float64) * 2 / D)
+    z = z * torch.polar(torch.ones_like(ang), ang)
+    return torch.cat((z.real, z.imag), -1)
+
+
+def oracle(m, x, cu):
+    """Dense per-sequence float64: the [S, S] indexer scores, a stable sort for the top-k, masked softmax."""
+    ys, losses = [], []
+    N1, N2, Dqk, Dv, Hi, Di = m.num_heads, m.num_kv_heads, m.head_dim, m.v_head_dim, m.index_heads, m.index_head_dim
+    for a, b in zip(cu[:-1], cu[1:]):
+        xs = x[a:b]
+        S = b - a
+        pos = torch.arange(S)
+        q = (xs @ m.q_proj.weight.T).view(S, N1, Dqk)
+        kv = xs @ m.kv_proj.weight.T
+        k, v = kv[:, :N2 * Dqk].reshape(S, N2, Dqk), kv[:, N2 * Dqk:].reshape(S, N2, Dv)
+        xi = xs.detach()
+        qi = (xi @ m.index_q_proj.weight.T).view(S, Hi, Di) / Di ** 0.5
+        ki = F.layer_norm(xi @ m.index_k_proj.weight.T, (Di,), m.index_k_norm.weight, m.index_k_norm.bias)
+        wi = (xi @ m.index_w_proj.weight.T) / Hi ** 0.5
+        if m.rope_theta is not None:
+            q, k, qi = (_rope(t, pos, m.rope_theta) for t in (q, k, qi))
+            ki = _rope(ki[:, None], pos, m.rope_theta)[:, 0]
+        causal = pos[None, :] <= pos[:, None]
+        I = torch.einsum("th,ths->ts", wi, torch.relu(torch.einsum("thd,sd->ths", qi, ki)))
+        I = I.masked_fill(~causal, float("-inf"))
+        order = torch.sort(I.detach(), dim=1, descending=True, stable=True).indices[:, :m.topk]
+        sel = torch.zeros(S, S, dtype=torch.bool)
+        sel.scatter_(1, order, True)
+        sel &= causal
+        kk, vv = k.repeat_interleave(N1 // N2, 1), v.repeat_interleave(N1 // N2, 1)
+        logits = torch.einsum("thd,shd->hts", q, kk) * m.scale
+        att = torch.softmax(logits.masked_fill(~sel, float("-inf")), dim=-1)
+        ys.append(torch.einsum("hts,shd->thd", att, vv).reshape(S, N1 * Dv) @ m.o_proj.weight.T)
+        p = att.detach().mean(0)
+        logq = torch.log_softmax(I.masked_fill(~sel, float("-inf")), dim=-1)
+        losses.append(torch.where(sel, p * (torch.log(p.clamp_min(1e-300)) - logq), 0.0).sum())
+    return torch.cat(ys), sum(losses) / x.shape[0]
+
+
+CONFIGS = [
+    ("mqa-G8-rope-varlen", dict(num_heads=8, num_kv_heads=1, head_dim=16, v_head_dim=8, topk=5, index_heads=3,
+                                index_head_dim=8, rope_theta=10000.0), [0, 13, 13, 40]),
+    ("gqa-topk-above-len", dict(num_heads=4, num_kv_heads=2, head_dim=8, topk=64, index_heads=2, index_head_dim=4),
+     [0, 30]),
+]
+
+
+@pytest.mark.parametrize("cfg, cu", [c[1:] for c in CONFIGS], ids=[c[0] for c in CONFIGS])
+def test_matches_dense_oracle(cfg, cu):
+    torch.manual_seed(0)
+    m = DeepSeekSparseAttention(24, **cfg, dtype=torch.float64)
+    with torch.no_grad():
+        m.index_k_norm.weight.uniform_(0.5, 1.5)
+        m.index_k_norm.bias.normal_(0, 0.1)
+    x = torch.randn(cu[-1], 24, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(cu[-1], 24, dtype=torch.float64)
+    y, info = m(x, torch.tensor(cu, dtype=torch.int32), return_info=True)
+    ((y * g).sum() + info["indexer_loss"]).backward()
+    got = {n: p.grad.clone() for n, p in m.named_parameters()}
+    got_x = x.grad.clone()
+    m.zero_grad()
+    x.grad = None
+    ry, rloss = oracle(m, x, cu)
+    ((ry * g).sum() + rloss).backward()
+    assert_close(y, ry, torch.float64, name="y")
+    assert_close(info["indexer_loss"], rloss, torch.float64, name="indexer_loss")
+    assert_close(got_x, x.grad, torch.float64, name="dx")
+    for n, p in m.named_parameters():
+        assert_close(got[n], p.grad, torch.float64, name=f"d{n}")
+    assert info["indices"].shape == (cu[-1], cfg["topk"])
+
+
+def test_indexer_trains_only_on_its_loss_and_the_model_not_on_it():
+    torch.manual_seed(1)
+    m = DeepSeekSparseAttention(16, 4, 1, 8, topk=3, index_heads=2, index_head_dim=4)
+    x = torch.randn(20, 16, requires_grad=True)
+    y, info = m(x, return_info=True)
+    y.sum().backward()
+    assert all(p.grad is None for n, p in m.named_parameters() if n.startswith("index_"))
+    m.zero_grad()
+    x.grad = None
+    info = m(x, return_info=True)[1]
+    info["indexer_loss"].backward()
+    assert x.grad is None
+    assert all(p.grad is None for n, p in m.named_parameters() if not n.startswith("index_"))
+    assert m.index_q_proj.weight.grad.abs().sum() > 0
+
+
+def test_causal_and_packing_invariant():
+    torch.manual_seed(2)
+    m = DeepSeekSparseAttention(16, 4, 1, 8, topk=4, index_heads=2, index_head_dim=4, rope_theta=100.0,
+                                dtype=torch.float64)
+    x = torch.randn(30, 16, dtype=torch.float64)
+    y = m(x, [0, 12, 30])
+    x2 = x.clone()
+    x2[20:] += 1.0  # later tokens of the second sequence
+    assert torch.equal(m(x2, [0, 12, 30])[:20], y[:20])
+    assert_close(m(x[12:]), y[12:], torch.float64)
+
+
+@pytest.mark.parametrize("kw, exc, msg", [
+    (dict(topk=0), ValueError, "topk"),
+    (dict(topk=2049), ValueError, "topk"),
+    (dict(num_kv_heads=3), ValueError, "num_kv_heads"),
+    (dict(head_dim=300), ValueError, "head_dim"),
+    (dict(v_head_dim=32), ValueError, "v_head_dim"),
+    (dict(rope_theta=10.0, index_head_dim=5), ValueError, "index_head_dim"),
+    (dict(detach_indexer_input=1), TypeError, "detach_indexer_input"),
+])
+def test_bad_config(kw, exc, msg):
+    args = dict(hidden_size=16, num_heads=4, num_kv_heads=1, head_dim=16, topk=4)
+    args.update(kw)
+    with pytest.raises(exc, match=msg):
+        DeepSeekSparseAttention(**args)
+
+
+def test_bad_input():
+    m = DeepSeekSparseAttention(16, 4, 1, 8, topk=4)
+    with pytest.raises(ValueError, match="x"):
+        m(torch.randn(5, 8))
+    with pytest.raises(TypeError, match="x"):
+        m(torch.randn(5, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        m(torch.randn(5, 16), [0, 4])
