@@ -16,7 +16,14 @@ pytest.importorskip("transformers", minversion="5.23", reason="needs the sparseo
 
 from sparseops.testing import assert_close  # noqa: E402
 
-from .transformers_cases import build_experts, eager_forward, experts_families, family_experts, routing, run_experts  # noqa: E402
+from .transformers_cases import (  # noqa: E402
+    build_experts,
+    eager_forward,
+    experts_families,
+    family_experts,
+    routing,
+    run_experts,
+)
 
 T, K = 7, 2  # odd token count; K <= E
 
