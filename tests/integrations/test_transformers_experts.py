@@ -170,3 +170,22 @@ def test_registered_in_both_registries():
     assert "sparseops" in ALL_EXPERTS_FUNCTIONS
     reg = EPImplementationInterface()
     assert reg["sparseops"] is SparseopsEP and reg["sparseops_allgather"] is SparseopsAllGatherEP
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_silu_gate_matches_the_float64_gate(dtype):
+    # R * 2F above the fused kernels' threshold: the compiled CPU pass, forward and backward
+    from sparseops.integrations.transformers_experts import _fusable, _SiluGate
+
+    g = torch.Generator().manual_seed(6)
+    h = torch.randn(600, 256, generator=g, dtype=torch.float64)
+    gy = torch.randn(600, 128, generator=g, dtype=torch.float64)
+    hd = h.to(dtype).requires_grad_(True)
+    assert _fusable(hd)
+    y = _SiluGate.apply(hd)
+    y.backward(gy.to(dtype))
+    href = hd.detach().double().requires_grad_(True)
+    ref = torch.nn.functional.silu(href[:, :128]) * href[:, 128:]
+    ref.backward(gy)
+    assert_close(y, ref, dtype, "gate")
+    assert_close(hd.grad, href.grad, dtype, "gate grad")

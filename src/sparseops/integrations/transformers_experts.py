@@ -22,8 +22,9 @@ import warnings
 
 import torch
 
+from .. import _compile
 from ..moe.api import moe_token_permute_with_ep, moe_token_unpermute_with_ep
-from ..nn.experts import _act_bwd, _act_fwd, _empty
+from ..nn.experts import _FUSED_MIN_ELEMENTS, _act_bwd, _act_fwd, _empty
 from ..nn.grouped_linear import grouped_linear_unchecked
 
 NAME = "sparseops"
@@ -95,22 +96,50 @@ def _is_default_silu_gate(module) -> bool:
             and type(getattr(module, "act_fn", None)) in (SiLUActivation, torch.nn.SiLU))
 
 
+@_compile.kernel("silu_gate_fwd")
+def _silu_gate_fwd_fused(h: torch.Tensor, out: torch.Tensor) -> None:
+    F = h.shape[1] // 2
+    a = h[:, :F].float()
+    out.copy_((torch.nn.functional.silu(a) * h[:, F:].float()).to(out.dtype))
+
+
+@_compile.kernel("silu_gate_bwd")
+def _silu_gate_bwd_fused(g: torch.Tensor, h: torch.Tensor, dh: torch.Tensor) -> None:
+    F = h.shape[1] // 2
+    a, u, gf = h[:, :F].float(), h[:, F:].float(), g.float()
+    sig = torch.sigmoid(a)
+    dh[:, F:].copy_((gf * (a * sig)).to(dh.dtype))
+    dh[:, :F].copy_((gf * u * (sig * (1 + a * (1 - sig)))).to(dh.dtype))
+
+
+def _fusable(h: torch.Tensor) -> bool:
+    return (h.device.type == "cpu" and h.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and h.numel() >= 2 * _FUSED_MIN_ELEMENTS and min(h.shape) >= 2 and h.is_contiguous())
+
+
 class _SiluGate(torch.autograd.Function):
-    """``silu(h[:, :F]) * h[:, F:]`` in fp32 (float64 for float64), rounded once (transformers' default gate)."""
+    """``silu(h[:, :F]) * h[:, F:]`` in fp32 (float64 for float64), rounded once (transformers' default gate):
+    one fused pass over the concatenated GEMM output on the CPU (``_compile``), the eager code elsewhere."""
 
     @staticmethod
     def forward(ctx, h):
         F = h.shape[1] // 2
         ctx.save_for_backward(h)
-        with torch.no_grad():
-            return _act_fwd(h[:, :F], h[:, F:])
+        if _fusable(h):
+            out = _empty((h.shape[0], F), h)
+            if _silu_gate_fwd_fused(h, out):
+                return out
+        return _act_fwd(h[:, :F], h[:, F:])
 
     @staticmethod
     def backward(ctx, g):
         (h,) = ctx.saved_tensors
         F = h.shape[1] // 2
+        g = g.contiguous()
         dh = _empty(h.shape, h)
-        dh1, dh3 = _act_bwd(g.contiguous(), h[:, :F], h[:, F:])
+        if _fusable(h) and _silu_gate_bwd_fused(g, h, dh):
+            return dh
+        dh1, dh3 = _act_bwd(g, h[:, :F], h[:, F:])
         dh[:, :F], dh[:, F:] = dh1, dh3
         return dh
 
