@@ -63,6 +63,11 @@ class SparseopsEP(EPImplementation):
         if impl == NAME and unsupported_reason(module, rows, rows.new_zeros(rows.shape[0], 1, dtype=torch.int64),
                                                rows.new_ones(rows.shape[0], 1), {}) is None:
             return experts_rows(module, rows, counts)
+        if rows.shape[0] == 0:
+            # an eager forward returns fresh zeros for no rows: one stand-in row keeps the weights and the
+            # reverse exchange in the backward graph, so every rank joins the same collectives
+            ids = torch.zeros(1, 1, dtype=torch.int64, device=rows.device)
+            return self.experts_forward(rows.sum(0, keepdim=True), ids, rows.new_zeros(1, 1))[:0]
         ids = torch.repeat_interleave(torch.arange(len(counts), device=rows.device),
                                       torch.tensor(counts, device=rows.device), output_size=rows.shape[0])
         return self.experts_forward(rows, ids.unsqueeze(1), rows.new_ones(rows.shape[0], 1))
