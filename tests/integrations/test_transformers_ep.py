@@ -1,4 +1,4 @@
-"""ep_implementation="sparseops" under transformers' own DistributedConfig (EP = 2 with FSDP = 2, gloo).
+"""ep_implementation="sparseops" under transformers' own DistributedConfig (EP = 2 with FSDP = 2, and with TP = 2).
 
 Spawned processes load a tiny float64 Qwen3-MoE checkpoint with ``DistributedConfig(ep_size=2, fsdp_size=2,
 ep_implementation=...)``; rank r runs batch r. The oracle is one process running both batches, float64, eager
@@ -43,17 +43,18 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _worker(rank, world_size, path, impls):
+def _worker(rank, world_size, path, impls, tp=False):
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size)})
     import transformers
     from transformers.distributed import DistributedConfig
 
     import sparseops.integrations.transformers  # noqa: F401
 
-    ids = _batches()[rank]
+    ids = _batches()[0 if tp else rank]
     out = {}
     for experts_impl, ep_impl in impls:
-        cfg = DistributedConfig(ep_size=2, fsdp_size=2, ep_implementation=ep_impl)
+        sizes = {"tp_size": 2} if tp else {"fsdp_size": 2}
+        cfg = DistributedConfig(ep_size=2, ep_implementation=ep_impl, **sizes)
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path, experts_implementation=experts_impl, distributed_config=cfg, dtype=torch.float64)
         res = model(input_ids=ids, labels=ids)
@@ -95,3 +96,19 @@ def test_ep2_fsdp2_matches_one_process(tmp_path):
                     g = g * EXPERT_SCALE
                 assert_close(grads[name], g, torch.float64, f"{key} rank {rank} grad {name}")
 
+
+
+def test_ep2_tp2_shared_batch_matches_one_process(tmp_path):
+    # tp_size = ep_size = 2: both ranks hold the same batch; each runs its slice of the tokens (split_rows)
+    tiny_model("qwen3_moe", dtype=torch.float64).save_pretrained(tmp_path)
+    impls = [("sparseops", "sparseops"), ("eager", "all_to_all")]
+    results = spawn(_worker, 2, str(tmp_path), impls, True, timeout=TIMEOUT, threads=1)
+    model, logits, losses = _oracle(str(tmp_path))
+    losses[0].backward()
+    ref = {n: p.grad for n, p in model.named_parameters()}
+    for key in impls:
+        for rank, res in enumerate(results):
+            got_logits, got_loss, grads = res[key]
+            assert_close(got_logits, logits[0], torch.float64, f"{key} rank {rank} logits")
+            for name, g in ref.items():
+                assert_close(grads[name], g, torch.float64, f"{key} rank {rank} grad {name}")
