@@ -189,3 +189,12 @@ def test_the_fused_silu_gate_matches_the_float64_gate(dtype):
     ref.backward(gy)
     assert_close(y, ref, dtype, "gate")
     assert_close(hd.grad, href.grad, dtype, "gate grad")
+
+
+def test_import_sparseops_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = ("import sys, sparseops, sparseops.nn, sparseops.distributed; "
+            "sparseops.moe_token_permute_with_ep; assert 'transformers' not in sys.modules, 'imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
