@@ -10,6 +10,7 @@ transformers' convention, ``EXPERT_SCALE``, which its own all_to_all shows in th
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -50,6 +51,7 @@ def _worker(rank, world_size, path, impls, tp=False):
 
     import sparseops.integrations.transformers  # noqa: F401
 
+    warnings.filterwarnings("error", message='experts_implementation="sparseops"')  # a fallback fails the test
     ids = _batches()[0 if tp else rank]
     out = {}
     for experts_impl, ep_impl in impls:
