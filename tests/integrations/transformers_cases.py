@@ -4,31 +4,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import pkgutil
 
 import torch
 
 SMALL = {"hidden": 16, "ffn": 12, "experts": 5}
-
-
-def experts_classes() -> list[tuple[str, type, type]]:
-    """``(family, experts class, config class)`` for every experts class decorated with use_experts_implementation
-    in the installed transformers (the wrapped forward carries ``__wrapped__``)."""
-    import transformers.models as tm
-    from transformers import PreTrainedConfig
-
-    out = []
-    for info in sorted(pkgutil.iter_modules(tm.__path__), key=lambda i: i.name):
-        try:
-            mod = importlib.import_module(f"transformers.models.{info.name}.modeling_{info.name}")
-        except Exception:  # a family whose optional dependency is missing
-            continue
-        configs = [c for c in vars(mod).values() if inspect.isclass(c) and issubclass(c, PreTrainedConfig)]
-        for cls in vars(mod).values():
-            if (inspect.isclass(cls) and cls.__module__ == mod.__name__ and hasattr(cls, "_apply_gate")
-                    and hasattr(getattr(cls, "forward", None), "__wrapped__")):
-                out.append((info.name, cls, configs))
-    return out
 
 
 #: the config attributes the experts modules read, set whatever their default (None, a list per layer, ...)
