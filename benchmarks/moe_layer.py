@@ -285,6 +285,108 @@ def bench_ep(mode: str, warmup: int, runs: int) -> dict:
 # ------------------------------------------------------------------------------------------------------- reporting
 
 
+# ------------------------------------------------------------------------ transformers block: experts backends
+
+HF_IMPLS = ("sparseops", "grouped_mm", "eager")
+
+
+def build_hf_block(s: dict, dtype: torch.dtype, seed: int = 0):
+    """transformers' Qwen3-MoE sparse block, random weights, or ``(None, why)``."""
+    try:
+        from transformers import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+        import sparseops.integrations.transformers  # noqa: F401  (registers "sparseops")
+    except Exception as exc:  # missing or broken install: reported, never fatal
+        return None, f"transformers not importable ({type(exc).__name__}: {exc})"
+    cfg = Qwen3MoeConfig(hidden_size=s["H"], moe_intermediate_size=s["F"], num_experts=s["E"],
+                         num_experts_per_tok=s["K"], norm_topk_prob=True, hidden_act="silu")
+    cfg._experts_implementation = "grouped_mm"
+    torch.manual_seed(seed)
+    block = Qwen3MoeSparseMoeBlock(cfg)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, s["H"] ** -0.5)
+    return block.to(dtype), None
+
+
+def _hf_step(block, impl: str, x: torch.Tensor, gy: torch.Tensor):
+    def step():
+        block.experts.config._experts_implementation = impl
+        for p in block.parameters():
+            p.grad = None
+        xx = x.detach().requires_grad_(True)
+        y = block(xx[None])[0]
+        y.backward(gy)
+        return y
+    return step
+
+
+def bench_hf_block(mode: str, warmup: int, runs: int, log) -> list[dict]:
+    """The Qwen3-MoE block with experts_implementation sparseops, grouped_mm and eager, fwd + bwd, in turn run
+    after run; sparseops' output is checked against grouped_mm's first (the same block, the same routing)."""
+    s = SHAPES[mode]
+    rows = []
+    for name, dtype in DTYPES.items():
+        block, why = build_hf_block(s, dtype)
+        row = {**s, "dtype": name, "impl": {}}
+        if block is None:
+            row["why_not"] = why
+            log(f"transformers block skipped: {why}")
+            rows.append(row)
+            continue
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(s["T"], s["H"], generator=g).to(dtype)
+        gy = torch.randn(s["T"], s["H"], generator=g).to(dtype)
+        with torch.no_grad():
+            ys = {}
+            for impl in ("sparseops", "grouped_mm"):
+                block.experts.config._experts_implementation = impl
+                ys[impl] = block(x[None])[0].float()
+        row["check"] = {"rel_rms_err_vs_grouped_mm": rel_rms_error(ys["sparseops"], ys["grouped_mm"])}
+        row["check"]["ok"] = row["check"]["rel_rms_err_vs_grouped_mm"] <= TOLERANCES[dtype]
+        if not row["check"]["ok"]:
+            log(f"{name}: sparseops differs from grouped_mm: {row['check']}; not timed")
+            rows.append(row)
+            continue
+        steps = {impl: _hf_step(block, impl, x, gy) for impl in HF_IMPLS}
+        times: dict[str, list[float]] = {k: [] for k in steps}
+        for fn in steps.values():
+            for _ in range(warmup):
+                fn()
+        gc.collect()
+        for _ in range(runs):
+            for k, fn in steps.items():
+                t0 = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t0)
+        for k, v in times.items():
+            row["impl"][k] = {"time_s": statistics.median(v), "min_s": min(v)}
+            log(f"{name}: transformers block, experts_implementation={k}: {row['impl'][k]['time_s'] * 1e3:.0f} ms")
+        row["speedup_vs_grouped_mm"] = row["impl"]["grouped_mm"]["time_s"] / row["impl"]["sparseops"]["time_s"]
+        row["goal_speedup_met"] = row["speedup_vs_grouped_mm"] >= SPEEDUP_GOAL
+        rows.append(row)
+        del block, steps
+        gc.collect()
+    return rows
+
+
+def hf_block_markdown(rows: list[dict]) -> list[str]:
+    hdr = ("dtype", "T, H, F, E, K", "sparseops ms", "grouped_mm ms", "eager ms", "sparseops vs grouped_mm",
+           "goal 1.2x")
+    lines = ["", "transformers Qwen3-MoE block, experts_implementation (forward + backward):", "",
+             "| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
+    for r in rows:
+        if "speedup_vs_grouped_mm" not in r:
+            lines.append(f"| {r['dtype']} | - | {r.get('why_not') or r.get('check')} | | | | |")
+            continue
+        ms = [f"{r['impl'][k]['time_s'] * 1e3:.0f}" for k in HF_IMPLS]
+        lines.append("| " + " | ".join([r["dtype"], f"{r['T']}, {r['H']}, {r['F']}, {r['E']}, {r['K']}", *ms,
+                                         f"{r['speedup_vs_grouped_mm']:.2f}x",
+                                         "met" if r["goal_speedup_met"] else "missed"]) + " |")
+    return lines
+
+
 def markdown(record: dict) -> str:
     f, env = record["floors"], record["env"]
     lines = [f"{env['date_utc']}, {env['cpu_count']} cores ({env['torch_threads']} torch threads), torch "
@@ -318,12 +420,16 @@ def markdown(record: dict) -> str:
             mib = ", ".join(f"{b / 2**20:.1f}" for b in v["sent_bytes_per_rank"])
             ms = ", ".join(f"{t * 1e3:.0f}" for t in v["time_s_per_rank"])
             lines.append(f"| {d} | {mib} | {v['mean_over_minimum']:.2f} | {ms} |")
+    if record.get("transformers_block"):
+        lines += hf_block_markdown(record["transformers_block"])
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = _common.make_parser(__doc__.splitlines()[0])
     p.add_argument("--no-ep", action="store_true", help="skip the EP = 2 traffic run")
+    p.add_argument("--only-transformers-block", action="store_true",
+                   help="time only the transformers block's experts backends (sparseops, grouped_mm, eager)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -339,16 +445,22 @@ def main(argv=None) -> int:
     if bad:
         print(f"moe_layer: ours differs from the float64 oracle: {bad}; nothing timed", file=sys.stderr)
         return 1
-    floors, rows = bench_one_process(mode_name, not args.no_peers, warmup, runs, log)
+    if args.only_transformers_block:
+        floors, rows = {"matmul_fp32_flops": matmul_rate(torch.float32, 256, 1),
+                        "matmul_bf16_flops": matmul_rate(torch.bfloat16, 256, 1)}, []
+    else:
+        floors, rows = bench_one_process(mode_name, not args.no_peers, warmup, runs, log)
     record = {"op": "MoELayer forward + backward", "mode": mode_name, "env": env, "gate": gate, "floors": floors,
               "rows": rows}
+    if not args.no_peers:
+        record["transformers_block"] = bench_hf_block(mode_name, warmup, runs, log)
     try:
         import importlib.metadata as md
 
         record["transformers"] = md.version("transformers")
     except Exception:
         record["transformers"] = None
-    if not args.no_ep:
+    if not args.no_ep and not args.only_transformers_block:
         record["ep"] = bench_ep(mode_name, warmup, runs)
     try:
         env["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
