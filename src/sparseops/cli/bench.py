@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.machinery
+import importlib.util
 import json
 import os
 import sys
@@ -82,13 +84,14 @@ def load_benchmark(name: str, repo: str | None = None):
         raise SystemExit(f"sparseops bench: {d}: expected a folder whose name is a Python identifier (it is "
                          f"imported as a package, {package!r}.{name})")
     _put_first_on_path(str(d.parent))
-    cached = sys.modules.get(f"{package}.{name}")
-    if cached is not None and Path(getattr(cached, "__file__", "") or "").resolve() != path.resolve():
+    if _imported_elsewhere(package, name, path):
         # another checkout's scripts under the same name (several --repo in one process): import these instead
         for key in [k for k in sys.modules if k == package or k.startswith(package + ".")]:
             del sys.modules[key]
     importlib.invalidate_caches()
     try:
+        if package not in sys.modules:  # this folder, even where another `package` comes earlier on sys.path
+            _import_package(package, d)
         mod = importlib.import_module(f"{package}.{name}")
     except ImportError as exc:
         raise SystemExit(f"sparseops bench: importing {path} as {package}.{name} failed: "
@@ -99,6 +102,31 @@ def load_benchmark(name: str, repo: str | None = None):
     if not callable(getattr(mod, "main", None)):
         raise SystemExit(f"sparseops bench: {path} has no main(argv) function")
     return mod
+
+
+def _imported_elsewhere(package: str, name: str, path: Path) -> bool:
+    """Whether ``package`` or ``package.name`` is already imported from another folder than ``path``'s."""
+    pkg, mod = sys.modules.get(package), sys.modules.get(f"{package}.{name}")
+    if pkg is not None and str(path.parent) not in {str(Path(p).resolve()) for p in getattr(pkg, "__path__", [])}:
+        return True
+    return mod is not None and Path(getattr(mod, "__file__", None) or "").resolve() != path.resolve()
+
+
+def _import_package(package: str, folder: Path) -> None:
+    init = folder / "__init__.py"
+    if init.is_file():
+        spec = importlib.util.spec_from_file_location(package, init, submodule_search_locations=[str(folder)])
+    else:  # a folder without __init__.py: a namespace package of this folder alone
+        spec = importlib.machinery.ModuleSpec(package, None, is_package=True)
+        spec.submodule_search_locations = [str(folder)]
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[package] = mod
+    try:
+        if spec.loader is not None:
+            spec.loader.exec_module(mod)
+    except BaseException:
+        del sys.modules[package]
+        raise
 
 
 #: the folders :func:`load_benchmark` added to ``sys.path`` (only the last checkout loaded stays there)
