@@ -42,10 +42,14 @@ SIZES = {
 }
 
 #: ``sparseops train`` for a few steps (one process under torchrun), ``{out}`` its output folder
-TRAIN_ARGV = ["--steps", "5", "--out", "{out}"]
+#: (``{steps}``: 5 on the GPU, 2 in the CPU rehearsal)
+TRAIN_ARGV = ["--steps", "{steps}", "--eval-sequences", "0", "--json", "{out}/train.json", "--save", "{out}/ckpt"]
 
-#: seconds for each subprocess row (the whole check stays under 8 minutes on one H200)
-TIMEOUTS = {"train": 90, "nsa_bench": 180, "nsa_tests": 100}
+#: seconds for each subprocess row, each also cut to what is left of ``--budget``
+TIMEOUTS = {"train": 120, "nsa_bench": 180, "nsa_tests": 120}
+
+#: the whole check's default budget in seconds (under 8 minutes on one H200 with the start-up around it)
+BUDGET_S = 450
 
 
 class Skip(Exception):
@@ -267,7 +271,12 @@ def run_command(argv: list[str], timeout: float, log: Path) -> tuple[int | None,
     return rc, " | ".join(tail)[-300:]
 
 
-def _command_row(argv: list[str], timeout: float, log: Path):
+def _command_row(argv: list[str], timeout: float, log: Path, deadline: float | None = None):
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left < 20:
+            raise Skip(f"the budget is spent ({left:.0f} s left; --budget)")
+        timeout = min(timeout, left)
     rc, tail = run_command(argv, timeout, log)
     if rc is None:
         raise RuntimeError(f"still running after {timeout} s ({log}): {tail}")
@@ -283,15 +292,19 @@ def check_train(ctx: dict):
         raise Skip("`sparseops train` is not a subcommand of this checkout yet")
     out = ctx["out"] / "train"
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
-            "sparseops", "train", *(a.format(out=out) for a in TRAIN_ARGV)]
-    return _command_row(argv, TIMEOUTS["train"], ctx["out"] / "train.log")
+            "sparseops", "train", *(a.format(out=out, steps=2 if ctx["device"].type == "cpu" else 5) for a in TRAIN_ARGV)]
+    _command_row(argv, TIMEOUTS["train"], ctx["out"] / "train.log", ctx.get("deadline"))
+    losses = json.loads((out / "train.json").read_text()).get("loss") if (out / "train.json").is_file() else None
+    if not losses or not all(isinstance(v, float) and v == v for v in losses):
+        raise RuntimeError(f"no finite per-step losses in {out / 'train.json'}: {losses!r}"[:300])
+    return None, f"{len(losses)} steps, loss {losses[0]:.4g} -> {losses[-1]:.4g}; {ctx['out'] / 'train.log'}"
 
 
 def check_nsa_bench(ctx: dict):
     if ctx["device"].type != "cuda":
         raise Skip("needs CUDA (rehearsed on the CPU by tests/benchmarks/test_gpu_nsa.py)")
     argv = [sys.executable, str(ROOT / "benchmarks" / "gpu_nsa.py"), "--quick", "--out", str(ctx["out"] / "gpu_nsa.json")]
-    return _command_row(argv, TIMEOUTS["nsa_bench"], ctx["out"] / "gpu_nsa.log")
+    return _command_row(argv, TIMEOUTS["nsa_bench"], ctx["out"] / "gpu_nsa.log", ctx.get("deadline"))
 
 
 def check_nsa_tests(ctx: dict):
@@ -302,7 +315,7 @@ def check_nsa_tests(ctx: dict):
     xdist = ["-p", "xdist.plugin", "-n", "8"] if importlib.util.find_spec("xdist") else []
     argv = [sys.executable, "-m", "pytest", "tests/nsa/test_triton_impl.py", "tests/nsa/test_triton_plan.py",
             "tests/moe/test_triton_impl.py", "-q", "-x", "-p", "no:cacheprovider", *xdist]
-    return _command_row(argv, TIMEOUTS["nsa_tests"], ctx["out"] / "pytest.log")
+    return _command_row(argv, TIMEOUTS["nsa_tests"], ctx["out"] / "pytest.log", ctx.get("deadline"))
 
 
 #: (row name, check): in the order they run and print
@@ -335,13 +348,16 @@ def main(argv=None) -> int:
                    help="folder for gpu_check.json and the subprocess logs (default $OUT, else ./gpu_check_out)")
     p.add_argument("--only", nargs="+", metavar="WORD", default=None,
                    help="run only the rows whose name contains one of these words")
+    p.add_argument("--budget", type=float, default=BUDGET_S, metavar="S",
+                   help=f"seconds for the whole check (default {BUDGET_S}): a subprocess row gets at most what is "
+                   "left, and skips when under 20 s is")
     args = p.parse_args(argv)
     if not args.cpu and not torch.cuda.is_available():
         print("gpu_check: no CUDA device (use --cpu for the CPU rehearsal)", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     ctx = {"device": torch.device("cpu" if args.cpu else "cuda"), "sizes": SIZES["cpu" if args.cpu else "gpu"],
-           "out": args.out.resolve()}
+           "out": args.out.resolve(), "deadline": time.monotonic() + args.budget}
     meta = {"device": torch.cuda.get_device_name() if not args.cpu else "cpu", "gpus": torch.cuda.device_count(),
             "torch": torch.__version__, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     rows = []

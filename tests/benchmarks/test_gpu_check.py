@@ -58,6 +58,10 @@ def test_command_rows_fail_on_a_status_or_a_timeout(tmp_path):
     with pytest.raises(RuntimeError, match="still running after"):
         gpu_check._command_row([sys.executable, "-c", "import time; time.sleep(30)"], 1, tmp_path / "b.log")
     assert gpu_check._command_row([sys.executable, "-c", "print('fine')"], 30, tmp_path / "c.log")[1].endswith("fine")
+    import time
+
+    with pytest.raises(gpu_check.Skip, match="budget is spent"):
+        gpu_check._command_row([sys.executable, "-c", "print('late')"], 30, tmp_path / "d.log", time.monotonic() + 5)
 
 
 def test_gpu_check_without_cuda_says_so(capsys):
