@@ -284,8 +284,9 @@ def table(rows: list[dict], peer_rows: list[dict]) -> str:
         lines.append("")
         if "speedup" in p:
             lines.append(f"module vs native-sparse-attention-pytorch at T = {p['T']}: ours {p['ours_fwdbwd_s']:.2f} s, "
-                         f"peer {p['peer_fwdbwd_s']:.2f} s, speedup {p['speedup']:.2f}x (goal >= {PEER_GOAL}x: "
-                         f"{'met' if p['speedup'] >= PEER_GOAL else 'missed'})")
+                         f"peer {p['peer_fwdbwd_s']:.2f} s, speedup {p['speedup']:.2f}x " +
+                         (f"(goal >= {PEER_GOAL}x: {'met' if p['speedup'] >= PEER_GOAL else 'missed'})"
+                          if p["T"] == 4096 else f"(the goal, >= {PEER_GOAL}x, is set at T = 4096)"))
         else:
             lines.append(f"module at T = {p['T']}: ours {p['ours_fwdbwd_s']:.2f} s; peer skipped: "
                          f"{p.get('peer_skipped')}")
