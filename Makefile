@@ -16,23 +16,28 @@ VENV_LATEST := .venv-triton-latest
 INTERPRET := TRITON_INTERPRET=1 TRITON_F32_DEFAULT=ieee
 TRITON_TESTS := tests/moe/test_triton_impl.py tests/nsa/test_triton_impl.py tests/nsa/test_triton_plan.py tests/nsa/test_triton_gather.py
 
-.PHONY: run test lint check bench peers clean
+.PHONY: run test lint check bench peers peers-cpu clean
 
-$(BIN)/.installed: pyproject.toml
+# every pip call after the first torch install: no package may replace that torch (constraints.txt pins it)
+PIP = $(BIN)/python -m pip install -q -c constraints.txt
+
+$(BIN)/.installed: pyproject.toml constraints.txt benchmarks/peers-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# the CPU wheel first: an unpinned torch would pull a multi-GB CUDA build
 	$(BIN)/python -m pip install -q torch==2.13.0
 	# the Triton version the GPU machines run; on the CPU it powers the interpreter checks
-	$(BIN)/python -m pip install -q triton==$(TRITON_VERSION)
-	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	$(PIP) triton==$(TRITON_VERSION)
+	$(PIP) -e '.[test,bench,transformers]'
+	# the benchmarks' peers, without their dependencies (some would pull another torch)
+	$(PIP) --no-deps -r benchmarks/peers-cpu.txt
 	touch $@
 
-$(VENV_LATEST)/.installed: pyproject.toml
+$(VENV_LATEST)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV_LATEST)
 	$(VENV_LATEST)/bin/python -m pip install -q --upgrade pip
 	$(VENV_LATEST)/bin/python -m pip install -q torch==2.13.0
-	$(VENV_LATEST)/bin/python -m pip install -q triton==$(TRITON_LATEST) numpy pytest
+	$(VENV_LATEST)/bin/python -m pip install -q -c constraints.txt triton==$(TRITON_LATEST) numpy pytest
 	touch $@
 
 run: $(BIN)/.installed
@@ -53,6 +58,10 @@ check: $(BIN)/.installed
 # the full sweep, to ./sparseops-results/; `sparseops bench --record` appends to benchmarks/results/ on purpose
 bench: $(BIN)/.installed
 	$(BIN)/sparseops bench
+
+# the CPU peers again into an existing .venv (the install step above runs the same command)
+peers-cpu: $(BIN)/.installed
+	$(PIP) --no-deps -r benchmarks/peers-cpu.txt
 
 # the peer and pytest as plain files for the GPU machine, which cannot reach a package index
 # (benchmarks/gpu_nsa_check.sh puts .peers on PYTHONPATH; the device run carries it)

@@ -24,7 +24,7 @@ def _is_float(x) -> bool:
 @pytest.mark.distributed
 def test_quick_run_schema_and_ep(tmp_path, capsys):
     path = tmp_path / "r.json"
-    assert demo.run(_args("--quick", "--ep", "2", "--json", str(path), "--out", str(tmp_path))) == 0
+    assert demo.run(_args("--quick", "--steps", "30", "--ep", "2", "--json", str(path), "--out", str(tmp_path))) == 0
     r = json.loads(path.read_text())
     assert set(r) >= {"nsa", "window_only", "ep", "seconds", "config"}
     steps = r["config"]["train"]["steps"]

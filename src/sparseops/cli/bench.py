@@ -8,6 +8,8 @@ what it runs and for how long from its start."""
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -66,23 +68,81 @@ def benchmarks_dir(repo: str | None = None) -> Path | None:
 
 
 def load_benchmark(name: str, repo: str | None = None):
-    """Import ``benchmarks/<name>.py`` as a module; SystemExit with what it needs when it is not there."""
+    """Import ``benchmarks/<name>.py`` as the module ``benchmarks.<name>`` (its folder's name) with the
+    folder's parent on ``sys.path``; SystemExit with what it needs when it is not there.
+
+    A real, importable name: what a script hands to a spawned process (``sparseops.distributed.spawn``'s
+    worker function, pickled by module and name) is imported again there, and a spawned process starts with
+    this process's ``sys.path``. The parent therefore stays on ``sys.path``."""
     d = benchmarks_dir(repo)
     if d is None or not (d / f"{name}.py").is_file():
         looked = f"{d}" if d is not None else (repo or "this package's checkout and ./benchmarks")
         raise SystemExit(f"sparseops bench: benchmarks/{name}.py not found (looked in {looked}). {_REPO_HINT}")
     path = d / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"sparseops_benchmarks_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(d))  # a script imports its sibling helpers (_common)
+    package = d.name
+    if not package.isidentifier():
+        raise SystemExit(f"sparseops bench: {d}: expected a folder whose name is a Python identifier (it is "
+                         f"imported as a package, {package!r}.{name})")
+    _put_first_on_path(str(d.parent))
+    if _imported_elsewhere(package, name, path):
+        # another checkout's scripts under the same name (several --repo in one process): import these instead
+        for key in [k for k in sys.modules if k == package or k.startswith(package + ".")]:
+            del sys.modules[key]
+    importlib.invalidate_caches()
     try:
-        spec.loader.exec_module(mod)
-    finally:
-        if sys.path and sys.path[0] == str(d):
-            sys.path.pop(0)
+        if package not in sys.modules:  # this folder, even where another `package` comes earlier on sys.path
+            _import_package(package, d)
+        mod = importlib.import_module(f"{package}.{name}")
+    except ImportError as exc:
+        raise SystemExit(f"sparseops bench: importing {path} as {package}.{name} failed: "
+                         f"{type(exc).__name__}: {exc}") from exc
+    if Path(mod.__file__).resolve() != path.resolve():
+        raise SystemExit(f"sparseops bench: {package}.{name} imports {mod.__file__}, not {path}: another "
+                         f"package named {package!r} comes first")
     if not callable(getattr(mod, "main", None)):
         raise SystemExit(f"sparseops bench: {path} has no main(argv) function")
     return mod
+
+
+def _imported_elsewhere(package: str, name: str, path: Path) -> bool:
+    """Whether ``package`` or ``package.name`` is already imported from another folder than ``path``'s."""
+    pkg, mod = sys.modules.get(package), sys.modules.get(f"{package}.{name}")
+    if pkg is not None and str(path.parent) not in {str(Path(p).resolve()) for p in getattr(pkg, "__path__", [])}:
+        return True
+    return mod is not None and Path(getattr(mod, "__file__", None) or "").resolve() != path.resolve()
+
+
+def _import_package(package: str, folder: Path) -> None:
+    init = folder / "__init__.py"
+    if init.is_file():
+        spec = importlib.util.spec_from_file_location(package, init, submodule_search_locations=[str(folder)])
+    else:  # a folder without __init__.py: a namespace package of this folder alone
+        spec = importlib.machinery.ModuleSpec(package, None, is_package=True)
+        spec.submodule_search_locations = [str(folder)]
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[package] = mod
+    try:
+        if spec.loader is not None:
+            spec.loader.exec_module(mod)
+    except BaseException:
+        del sys.modules[package]
+        raise
+
+
+#: the folders :func:`load_benchmark` added to ``sys.path`` (only the last checkout loaded stays there)
+_ADDED_TO_PATH: list[str] = []
+
+
+def _put_first_on_path(folder: str) -> None:
+    for earlier in _ADDED_TO_PATH:
+        while earlier != folder and earlier in sys.path:
+            sys.path.remove(earlier)
+    if folder in sys.path:
+        _ADDED_TO_PATH[:] = [f for f in _ADDED_TO_PATH if f == folder]
+        sys.path.remove(folder)
+    else:
+        _ADDED_TO_PATH[:] = [folder]
+    sys.path.insert(0, folder)
 
 
 def out_dir(args: argparse.Namespace, name: str, bench_dir: Path) -> Path:
