@@ -167,9 +167,10 @@ def check_moe_ep(ctx: dict, ws: int):
 
 def check_transformers_experts(ctx: dict):
     try:
-        import sparseops.integrations.transformers as integ
         from transformers import Qwen3MoeConfig
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+        import sparseops.integrations.transformers as integ
     except ImportError as exc:
         raise Skip(f"sparseops.integrations.transformers not importable ({type(exc).__name__}: {exc})") from None
     s, device, dtype = ctx["sizes"]["hf"], ctx["device"], torch.bfloat16
