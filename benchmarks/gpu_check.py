@@ -33,6 +33,9 @@ from sparseops.nn import MoELayer, NativeSparseAttention  # noqa: E402
 from sparseops.nn.reference import moe_reference  # noqa: E402
 from sparseops.testing import TOLERANCES, rel_rms_error  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_dsa  # noqa: E402  the DeepSeekSparseAttention rows
+
 #: sizes per mode: the MoE layer (T tokens per rank), the NSA module (packed lengths), the transformers experts
 SIZES = {
     "gpu": {"moe": dict(T=512, H=256, F=128, E=16, K=2), "nsa": dict(cu=[0, 1000, 1999, 3072], hidden=256),
@@ -315,7 +318,7 @@ def check_nsa_tests(ctx: dict):
 
     xdist = ["-p", "xdist.plugin", "-n", "8"] if importlib.util.find_spec("xdist") else []
     argv = [sys.executable, "-m", "pytest", "tests/nsa/test_triton_impl.py", "tests/nsa/test_triton_plan.py",
-            "tests/moe/test_triton_impl.py", "-q", "-x", "-p", "no:cacheprovider", *xdist]
+            "tests/nsa/test_triton_gather.py", "tests/moe/test_triton_impl.py", "-q", "-x", "-p", "no:cacheprovider", *xdist]
     return _command_row(argv, TIMEOUTS["nsa_tests"], ctx["out"] / "pytest.log", ctx.get("deadline"))
 
 
@@ -328,6 +331,7 @@ CHECKS = [
     ("transformers experts 'sparseops' bf16", check_transformers_experts),
     ("NativeSparseAttention fp32 fwd+bwd", lambda c: check_nsa_module(c, torch.float32)),
     ("NativeSparseAttention bf16 fwd+bwd", lambda c: check_nsa_module(c, torch.bfloat16)),
+    *gpu_dsa.ROWS,
     ("sparseops train (a few steps)", check_train),
     ("NSA Triton benchmark (gpu_nsa.py --quick)", check_nsa_bench),
     ("Triton kernel tests, compiled", check_nsa_tests),
@@ -371,7 +375,7 @@ def main(argv=None) -> int:
         try:
             ratio, detail = fn(ctx)
             row.update(status="ok" if ratio is None or ratio <= 1.0 else "FAIL", ratio=ratio, detail=detail)
-        except Skip as exc:
+        except (Skip, gpu_dsa.Skip) as exc:
             row.update(status="skip", detail=str(exc))
         except Exception as exc:  # noqa: BLE001 - a failing row is reported; the others still run
             tb = traceback.format_exc().strip().splitlines()
