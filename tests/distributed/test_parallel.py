@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 
-from sparseops.distributed import ParallelDims, clip_grad_norm_, parallelize, spawn
+from sparseops.distributed import ParallelDims, clip_grad_norm_, materialize, parallelize, spawn
 from sparseops.distributed import checkpoint as ckpt
 from sparseops.nn import MoELayer, NativeSparseAttention, update_expert_bias
 from sparseops.testing import TRAINING_TOLERANCE
@@ -250,6 +250,26 @@ def _faults() -> dict:
     return out
 
 
+def _meta(rank: int, world: int, path: str) -> dict:
+    """Built on meta, parallelized, materialized: from rank 0's seeded full model, or from a checkpoint."""
+    out = {}
+    with torch.device("meta"):
+        model = parallelize(_model(), ParallelDims(ep=2))
+    full = _model().state_dict() if rank == 0 else None  # only rank 0 ever holds the full model
+    out["meta"] = _train(materialize(model, "cpu", full, from_rank0=True), rank, world)
+    with torch.device("meta"):
+        model = parallelize(_model(), ParallelDims(ep=2))
+    out["meta_resume"] = _train(materialize(model, "cpu"), rank, world, load=f"{path}/w2_fsdp_ep2")
+    with torch.device("meta"):
+        model = _model()
+    try:
+        parallelize(model, ParallelDims(ep=2), data_parallel="ddp")
+        out["meta_ddp"] = "no error"
+    except ValueError as e:
+        out["meta_ddp"] = str(e)
+    return out
+
+
 def _worker2(rank: int, world: int, path: str) -> dict:
     out = {"fsdp": _train(parallelize(_model(), ParallelDims(ep=2)), rank, world, save=f"{path}/w2_fsdp_ep2"),
            "ddp": _train(parallelize(_model(), ParallelDims(ep=2), data_parallel="ddp"), rank, world),
@@ -263,6 +283,7 @@ def _worker2(rank: int, world: int, path: str) -> dict:
     out["layer"] = _layer_grads(layer, x[mine], g[mine], world, 7)
     out["raw"] = _raw_ep(rank, f"{path}/raw")
     out["faults"] = _faults()
+    out.update(_meta(rank, world, path))
     return out
 
 
@@ -286,6 +307,13 @@ def test_w2_fsdp_and_ddp_ep2(w2, oracle):
     _check(w2[0]["ddp"], oracle, "W=2 ddp ep=2")
     _check(w2[0]["ep1"], oracle, "W=2 fsdp ep=1 (experts FSDP-sharded over efsdp=2)")
     assert all(b.abs().sum() > 0 for b in oracle["bias"].values())  # the balancing moved
+
+
+def test_w2_meta_device_init(w2, oracle):
+    # the seeded one-process values broadcast from rank 0, the non-persistent buffers re-initialised
+    _check(w2[0]["meta"], oracle, "W=2 fsdp ep=2 built on meta, materialized from rank 0's full model")
+    _check(w2[0]["meta_resume"], oracle, "W=2 fsdp ep=2 built on meta, materialized from a checkpoint")
+    assert "meta" in w2[0]["meta_ddp"] and "materialize" in w2[0]["meta_ddp"]
 
 
 def test_w2_gradient_accumulation(w2):
@@ -398,6 +426,12 @@ def test_dims_bad_input_without_a_process_group():
     assert ParallelDims(dp_replicate=2, ep=2).resolve(8).efsdp == 2
     with pytest.raises(RuntimeError, match="process group"):
         parallelize(_model(), ParallelDims())
+    with pytest.raises(ValueError, match="device"):
+        materialize(nn.Linear(2, 2), "meta")
+    with pytest.raises(TypeError, match="state_dict"):
+        materialize(nn.Linear(2, 2), "cpu", [])
+    with pytest.raises(ValueError, match="state_dict"):
+        materialize(nn.Linear(2, 2), "cpu", from_rank0=True)
 
 
 def _stalled(rank: int, world: int) -> str:

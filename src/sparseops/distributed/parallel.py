@@ -168,6 +168,10 @@ def _check(model: nn.Module, dims: ParallelDims, data_parallel: str) -> tuple[Pa
         raise TypeError(f"dims: expected a sparseops.distributed.ParallelDims, got {type(dims).__name__}")
     if data_parallel not in DATA_PARALLEL:
         raise ValueError(f"data_parallel: expected one of {DATA_PARALLEL}, got {data_parallel!r}")
+    if data_parallel == "ddp" and any(p.is_meta for p in model.parameters()):
+        raise ValueError("model: expected parameters with storage for data_parallel='ddp' (DDP broadcasts rank "
+                         "0's values at construction), got meta parameters: build the model on the device, or "
+                         "use data_parallel='fsdp' and materialize")
     if getattr(model, _MARK, None) is not None:
         raise ValueError("model: expected a model not parallelized yet, got one parallelize already ran on "
                          f"({getattr(model, _MARK)})")
@@ -213,6 +217,23 @@ def _shard_experts(layer: MoELayer, dims: ParallelDims, device_type: str) -> Non
     layer.grad_scale = float(dims.world_size)
 
 
+def _divide_grads(layer: MoELayer) -> None:
+    """A hook ``g / W`` on each expert parameter no FSDP unit reduces (``W = ep``), unless it has one.
+
+    :func:`materialize` re-attaches it after ``to_empty``."""
+    W = getattr(layer, "_grad_divide", 1.0)
+    if W == 1.0:
+        return
+    for p in layer.experts.parameters():
+        hooks = p._backward_hooks or {}
+        if not any(getattr(h, "_sparseops_divide", False) for h in hooks.values()):
+            def divide(g, W=W):
+                return g / W
+
+            divide._sparseops_divide = True
+            p.register_hook(divide)
+
+
 def _owned(module: nn.Module, params: list) -> set | None:
     """The ones of ``params`` that ``module`` holds (None: none), compared by identity."""
     ids = {id(p) for p in params}
@@ -231,7 +252,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, data_parallel: str = "f
                 timeout: datetime.timedelta | float | None = None) -> nn.Module:
     """Spread ``model`` over the world as ``dims`` lays it out, in place; returns ``model``.
 
-    Every rank passes the same full model (same seed). Each :class:`~sparseops.nn.MoELayer` keeps on rank
+    Every rank passes the same full model (same seed), or one built on the ``meta`` device and given its
+    values by :func:`materialize` afterwards (``"fsdp"`` only). Each :class:`~sparseops.nn.MoELayer` keeps on rank
     ``(..., efsdp_i, ep_j)`` the experts ``[j*E/ep, (j+1)*E/ep)`` as DTensors of the global shape ``[E, ...]``
     (``Shard(0)`` over ``ep``; FSDP2 along dim 1 over ``efsdp``, HSDP with ``dp_replicate``, or over
     ``dp_replicate`` alone when ``efsdp = 1``); its
@@ -275,9 +297,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, data_parallel: str = "f
             # no data-parallel replica (W = ep): only the division by W is left. Not an FSDP unit of one rank,
             # whose reduction divides twice by a custom divide factor (torch 2.13, docs/training.md "Traps")
             loose += list(layer.experts.parameters())
-            if W > 1:
-                for p in layer.experts.parameters():
-                    p.register_hook(lambda g, W=W: g / W)
+            layer._grad_divide = W
+            _divide_grads(layer)
     if data_parallel == "fsdp":
         dense = dims.mesh("dense", device_type)
         dense = dense if dims.dp_replicate > 1 else dense["dp_shard"]
@@ -295,6 +316,47 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, data_parallel: str = "f
         replicate(model, device_mesh=dims.mesh("dp", device_type),
                   ignored_modules=[la.experts for la in layers if any(id(p) in loose_ids for p in la.experts.parameters())])
     setattr(model, _MARK, f"{dims}, data_parallel={data_parallel!r}")
+    return model
+
+
+def materialize(model: nn.Module, device: torch.device | str, state_dict: dict | None = None, *,
+                from_rank0: bool = False) -> nn.Module:
+    """Give a model built on the ``meta`` device and then parallelized its storage and values; returns it.
+
+    ``model.to_empty(device=device)`` allocates this rank's shards, then every module's ``reset_buffers()``
+    (``TopKRouter``, ``NativeSparseAttention``) re-initialises the non-persistent buffers no state dict holds.
+    ``state_dict``: the one-process model's full ``state_dict()`` (plain tensors, one-process keys); each rank
+    keeps its slice, so the parallel model starts as the seeded one-process model split. ``from_rank0=True``:
+    only rank 0 passes it (the others pass None and never hold the full model); it is broadcast
+    (``set_model_state_dict`` with ``broadcast_from_rank0``). Without either, load the values next, e.g.
+    ``sparseops.distributed.checkpoint.load(path, model)`` (docs/training.md, "Meta-device initialisation").
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if torch.device(device).type == "meta":
+        raise ValueError("device: expected a device with storage, got meta")
+    if state_dict is not None and not isinstance(state_dict, dict):
+        raise TypeError(f"state_dict: expected None or a dict, got {type(state_dict).__name__}")
+    if not isinstance(from_rank0, bool):
+        raise TypeError(f"from_rank0: expected a bool, got {type(from_rank0).__name__}")
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if state_dict is None and from_rank0 and rank == 0:
+        raise ValueError("state_dict: expected the full state dict on rank 0 with from_rank0=True, got None")
+    model.to_empty(device=device)
+    for module in model.modules():
+        reset = getattr(module, "reset_buffers", None)
+        if callable(reset):
+            reset()
+    for p in model.parameters():
+        if p._backward_hooks:
+            # to_empty swaps a DTensor parameter's tensor: the hook dict stays on the Parameter, the autograd
+            # hook that runs it is gone. Setting the dict installs it again (and drops a stale one)
+            p._backward_hooks = p._backward_hooks
+    if state_dict is not None or from_rank0:
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_rank0)
+        set_model_state_dict(model, state_dict if state_dict is not None else {}, options=options)
     return model
 
 
