@@ -202,12 +202,13 @@ def _raw_ep(rank: int, path: str) -> dict:
     if rank == 0:
         meta = dcp.FileSystemReader(f"{path}_opt").read_metadata().state_dict_metadata
         out["moment_shape"] = list(meta["optim.state.layer.experts.w1.exp_avg"].size)
-    try:
-        wrapped = nn.parallel.DistributedDataParallel(_Wrap(other))
-        wrapped(torch.randn(3, H, dtype=torch.float64))
+    before = other.experts.w1.detach().clone()
+    try:  # at construction, before DDP's broadcast: every rank keeps its own experts
+        nn.parallel.DistributedDataParallel(_Wrap(other))
         out["ddp"] = "no error"
     except ValueError as e:
         out["ddp"] = str(e)
+    out["ddp_kept_experts"] = torch.equal(other.experts.w1, before)
     return out
 
 
@@ -240,6 +241,11 @@ def _faults() -> dict:
         out["twice"] = "no error"
     except ValueError as e:
         out["twice"] = str(e)
+    try:
+        nn.parallel.DistributedDataParallel(model)
+        out["ddp_twice"] = "no error"
+    except ValueError as e:
+        out["ddp_twice"] = str(e)
     # the crash: fully_shard of the router alone, then the layer
     layer, plain = _Layer(), _Layer()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -350,10 +356,11 @@ def test_w2_raw_ep_group_and_faults(w2):
         raw = w2[rank]["raw"]
         assert raw["saved_shape"] == [E, 6, H] and raw["restored_own"]
         assert raw["restored_moment"] and raw["restored_opt_own"]
-        assert "parallelize" in raw["ddp"]
+        assert "parallelize" in raw["ddp"] and raw["ddp_kept_experts"]
         f = w2[rank]["faults"]
         assert "dp_replicate * dp_shard" in f["world"] and "ep" in f["ep_E"]
         assert "data_parallel" in f["data_parallel"] and "parallelize already ran" in f["twice"]
+        assert "parallelize" in f["ddp_twice"]
         assert f["router_fsdp"] is True
     assert w2[0]["raw"]["moment_shape"] == [E, 6, H]
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..nn.moe_layer import MoELayer
+from ..nn.moe_layer import MoELayer, _refuse_ddp_around_ep
 
 DATA_PARALLEL = ("fsdp", "ddp")
 
@@ -211,6 +211,7 @@ def _shard_experts(layer: MoELayer, dims: ParallelDims, device_type: str) -> Non
     if hasattr(experts, "num_experts"):
         experts.num_experts = El  # the counts its forward takes are the local experts'
     layer.ep_group, layer.ep_size, layer.ep_rank = ep_mesh.get_group(), dims.ep, j
+    _refuse_ddp_around_ep()
     layer._group_checked = dims.ep == 1
     layer.batch_group = dist.group.WORLD
     layer._batch_rows = dist.get_process_group_ranks(layer.ep_group) if dims.ep > 1 else [dist.get_rank()]
