@@ -281,8 +281,9 @@ def _worker2(rank: int, world: int, path: str) -> dict:
            "ddp": _train(parallelize(_model(), ParallelDims(ep=2), data_parallel="ddp"), rank, world),
            "ep1": _train(parallelize(_model(), ParallelDims(ep=1)), rank, world),
            "accumulate": _train(parallelize(_model(), ParallelDims(ep=2)), rank, world, micro=2),
-           "accumulate_ddp": _train(parallelize(_model(), ParallelDims(ep=2), data_parallel="ddp"), rank, world,
-                                    micro=2)}
+           "accumulate_ddp": _train(parallelize(_model(), ParallelDims(ep=2), data_parallel="ddp",
+                                                ddp_options={"find_unused_parameters": True, "bucket_cap_mb": 0.01}),
+                                    rank, world, micro=2)}
     x, g = _layer_inputs()
     mine = slice(0, 7) if rank == 0 else slice(7, 7)  # rank 1 has no tokens
     layer = parallelize(_Layer(), ParallelDims(ep=2))
@@ -327,7 +328,7 @@ def test_w2_gradient_accumulation(w2):
     # (each rank's expert counts of the first micro-batch must survive the second forward, also under DDP)
     oracle = _train(_model(), 0, 1, micro=2, split=2)
     _check(w2[0]["accumulate"], oracle, "W=2 fsdp ep=2, 2 micro-batches")
-    _check(w2[0]["accumulate_ddp"], oracle, "W=2 ddp ep=2, 2 micro-batches")
+    _check(w2[0]["accumulate_ddp"], oracle, "W=2 ddp ep=2 (find_unused_parameters, small buckets), 2 micro-batches")
 
 
 def test_w2_rank_without_tokens(w2):
@@ -433,6 +434,12 @@ def test_dims_bad_input_without_a_process_group():
     assert ParallelDims(dp_replicate=2, ep=2).resolve(8).efsdp == 2
     with pytest.raises(RuntimeError, match="process group"):
         parallelize(_model(), ParallelDims())
+    with pytest.raises(ValueError, match="ddp_options"):
+        parallelize(_model(), ParallelDims(), ddp_options={"static_graph": True})  # with fsdp
+    with pytest.raises(ValueError, match="ddp_options"):
+        parallelize(_model(), ParallelDims(), data_parallel="ddp", ddp_options={"device_ids": [0]})
+    with pytest.raises(TypeError, match="find_unused_parameters"):
+        parallelize(_model(), ParallelDims(), data_parallel="ddp", ddp_options={"find_unused_parameters": 1})
     with pytest.raises(ValueError, match="device"):
         materialize(nn.Linear(2, 2), "meta")
     with pytest.raises(TypeError, match="state_dict"):

@@ -20,6 +20,9 @@ from torch import nn
 from ..nn.moe_layer import MoELayer, _refuse_ddp_around_ep
 
 DATA_PARALLEL = ("fsdp", "ddp")
+#: the DistributedDataParallel options ``parallelize(..., ddp_options=...)`` passes through (value types)
+DDP_OPTIONS = {"find_unused_parameters": bool, "gradient_as_bucket_view": bool, "static_graph": bool,
+               "bucket_cap_mb": (int, float)}
 
 #: the attribute ``parallelize`` leaves on the model (checked to refuse a second call)
 _MARK = "_sparseops_parallel"
@@ -161,6 +164,25 @@ def _moe_layers(model: nn.Module) -> list[MoELayer]:
     return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
+def _check_ddp_options(options, data_parallel: str) -> dict:
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise TypeError(f"ddp_options: expected None or a dict, got {type(options).__name__}")
+    if options and data_parallel != "ddp":
+        raise ValueError(f"ddp_options: expected none with data_parallel={data_parallel!r}, got {sorted(options)}")
+    for key, value in options.items():
+        if key not in DDP_OPTIONS:
+            raise ValueError(f"ddp_options: expected keys among {sorted(DDP_OPTIONS)}, got {key!r}")
+        kind = DDP_OPTIONS[key]
+        if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
+            raise TypeError(f"ddp_options[{key!r}]: expected {'a bool' if kind is bool else 'a number'}, got "
+                            f"{type(value).__name__}")
+        if key == "bucket_cap_mb" and not value > 0:
+            raise ValueError(f"ddp_options['bucket_cap_mb']: expected a number > 0, got {value!r}")
+    return dict(options)
+
+
 def _check(model: nn.Module, dims: ParallelDims, data_parallel: str) -> tuple[ParallelDims, list[MoELayer]]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -250,7 +272,7 @@ def _fsdp_options(module, device_type: str, divide: float | None = None) -> None
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, *, data_parallel: str = "fsdp",
-                timeout: datetime.timedelta | float | None = None) -> nn.Module:
+                timeout: datetime.timedelta | float | None = None, ddp_options: dict | None = None) -> nn.Module:
     """Spread ``model`` over the world as ``dims`` lays it out, in place; returns ``model``.
 
     Every rank passes the same full model (same seed), or one built on the ``meta`` device and given its
@@ -268,15 +290,18 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, data_parallel: str = "f
     (docs/training.md, "Gradients"). ``model.state_dict()`` keys are the one-process keys.
 
     ``timeout``: of every collective on the layout's groups (see :meth:`ParallelDims.build`).
+    ``ddp_options`` (``"ddp"`` only): passed to DDP, among ``find_unused_parameters`` (a model whose forward
+    leaves some dense parameters out), ``static_graph``, ``gradient_as_bucket_view``, ``bucket_cap_mb``.
 
     Raises:
-        ValueError: a layout that does not match the world, an ``ep`` that does not divide ``dp_shard`` or a
+        ValueError: a layout that does not match the world, ``ddp_options`` not listed above (or with fsdp), an ``ep`` that does not divide ``dp_shard`` or a
             layer's E, MoE layers built with ``ep_group`` or ``replicated_tokens``, a second call; all before
             any collective. TypeError: a model or dims of the wrong type.
     """
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
+    options = _check_ddp_options(ddp_options, data_parallel)
     dims, layers = _check(model, dims, data_parallel)
     device_type = _device_type(model)
     dims = dims.build(device_type, timeout)
@@ -315,7 +340,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, data_parallel: str = "f
         # buffers stay per rank, as under FSDP (replicate's DDP holds only the parameters): the routers'
         # expert counts are per-rank buffers that update_expert_bias sums
         replicate(model, device_mesh=dims.mesh("dp", device_type),
-                  ignored_modules=[la.experts for la in layers if any(id(p) in loose_ids for p in la.experts.parameters())])
+                  ignored_modules=[la.experts for la in layers if any(id(p) in loose_ids for p in la.experts.parameters())],
+                  **options)
     setattr(model, _MARK, f"{dims}, data_parallel={data_parallel!r}")
     return model
 
