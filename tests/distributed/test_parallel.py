@@ -265,6 +265,9 @@ def _meta(rank: int, world: int, path: str) -> dict:
     out["meta"] = _train(materialize(model, "cpu", full, from_rank0=True), rank, world)
     with torch.device("meta"):
         model = parallelize(_model(), ParallelDims(ep=2))
+    out["meta_every_rank"] = _train(materialize(model, "cpu", _model().state_dict()), rank, world)
+    with torch.device("meta"):
+        model = parallelize(_model(), ParallelDims(ep=2))
     out["meta_resume"] = _train(materialize(model, "cpu"), rank, world, load=f"{path}/w2_fsdp_ep2")
     with torch.device("meta"):
         model = _model()
@@ -320,6 +323,7 @@ def test_w2_meta_device_init(w2, oracle):
     # the seeded one-process values broadcast from rank 0, the non-persistent buffers re-initialised
     _check(w2[0]["meta"], oracle, "W=2 fsdp ep=2 built on meta, materialized from rank 0's full model")
     _check(w2[0]["meta_resume"], oracle, "W=2 fsdp ep=2 built on meta, materialized from a checkpoint")
+    _check(w2[0]["meta_every_rank"], oracle, "W=2 fsdp ep=2 built on meta, every rank's full state dict")
     assert "meta" in w2[0]["meta_ddp"] and "materialize" in w2[0]["meta_ddp"]
 
 
@@ -373,7 +377,15 @@ def _worker4(rank: int, world: int, path: str) -> dict:
             "hsdp": _train(parallelize(_model(), ParallelDims(dp_replicate=2, ep=2)), rank, world,
                            save=f"{path}/w4_hsdp"),
             "resume": _train(parallelize(_model(), ParallelDims(ep=4), data_parallel="ddp"), rank, world,
-                             load=f"{path}/w2_fsdp_ep2")}
+                             load=f"{path}/w2_fsdp_ep2"),
+            "meta_hsdp": _train(_meta_hsdp(rank), rank, world)}
+
+
+def _meta_hsdp(rank: int) -> nn.Module:
+    """HSDP 2 x 2, ep = 2 (the experts FSDP-sharded over dp_replicate) built on meta, rank 0's values."""
+    with torch.device("meta"):
+        model = parallelize(_model(), ParallelDims(dp_replicate=2, ep=2))
+    return materialize(model, "cpu", _model().state_dict() if rank == 0 else None, from_rank0=True)
 
 
 @pytest.fixture(scope="module")
@@ -385,6 +397,7 @@ def test_w4_fsdp_hsdp_and_resume_from_w2(w4, oracle):
     _check(w4[0]["fsdp"], oracle, "W=4 fsdp ep=2 (efsdp=2)")
     _check(w4[0]["hsdp"], oracle, "W=4 hsdp 2x2 ep=2")
     _check(w4[0]["resume"], oracle, "W=4 ddp ep=4 from W=2 fsdp ep=2")
+    _check(w4[0]["meta_hsdp"], oracle, "W=4 hsdp 2x2 ep=2 built on meta, materialized from rank 0")
 
 
 def test_one_process_resume_and_incompatible(ckpt_dir, w4, oracle):
@@ -417,6 +430,17 @@ def test_raw_ep_group_checkpoint_loads_in_one_process(ckpt_dir, w2):
     dcp.load(state, checkpoint_id=f"{ckpt_dir}/raw")
     layer.load_state_dict(state)
     assert torch.equal(layer.experts.w1, torch.cat(blocks))
+
+
+def test_materialize_in_one_process():
+    """Without a process group: a meta-built model gets the full state dict and fresh non-persistent buffers."""
+    with torch.device("meta"):
+        model = _model()
+    ref = _model()
+    materialize(model, "cpu", ref.state_dict())
+    for kind in ("named_parameters", "named_buffers"):
+        got, want = dict(getattr(model, kind)()), dict(getattr(ref, kind)())
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), kind
 
 
 def test_dims_bad_input_without_a_process_group():
