@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 
-from sparseops.distributed import ParallelDims, clip_grad_norm_, parallelize, spawn
+from sparseops.distributed import ParallelDims, clip_grad_norm_, materialize, parallelize, spawn
 from sparseops.distributed import checkpoint as ckpt
 from sparseops.nn import MoELayer, NativeSparseAttention, update_expert_bias
 from sparseops.testing import TRAINING_TOLERANCE
@@ -202,12 +202,13 @@ def _raw_ep(rank: int, path: str) -> dict:
     if rank == 0:
         meta = dcp.FileSystemReader(f"{path}_opt").read_metadata().state_dict_metadata
         out["moment_shape"] = list(meta["optim.state.layer.experts.w1.exp_avg"].size)
-    try:
-        wrapped = nn.parallel.DistributedDataParallel(_Wrap(other))
-        wrapped(torch.randn(3, H, dtype=torch.float64))
+    before = other.experts.w1.detach().clone()
+    try:  # at construction, before DDP's broadcast: every rank keeps its own experts
+        nn.parallel.DistributedDataParallel(_Wrap(other))
         out["ddp"] = "no error"
     except ValueError as e:
         out["ddp"] = str(e)
+    out["ddp_kept_experts"] = torch.equal(other.experts.w1, before)
     return out
 
 
@@ -240,6 +241,11 @@ def _faults() -> dict:
         out["twice"] = "no error"
     except ValueError as e:
         out["twice"] = str(e)
+    try:
+        nn.parallel.DistributedDataParallel(model)
+        out["ddp_twice"] = "no error"
+    except ValueError as e:
+        out["ddp_twice"] = str(e)
     # the issue's crash: fully_shard of the router alone, then the layer
     layer, plain = _Layer(), _Layer()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -250,19 +256,44 @@ def _faults() -> dict:
     return out
 
 
+def _meta(rank: int, world: int, path: str) -> dict:
+    """Built on meta, parallelized, materialized: from rank 0's seeded full model, or from a checkpoint."""
+    out = {}
+    with torch.device("meta"):
+        model = parallelize(_model(), ParallelDims(ep=2))
+    full = _model().state_dict() if rank == 0 else None  # only rank 0 ever holds the full model
+    out["meta"] = _train(materialize(model, "cpu", full, from_rank0=True), rank, world)
+    with torch.device("meta"):
+        model = parallelize(_model(), ParallelDims(ep=2))
+    out["meta_every_rank"] = _train(materialize(model, "cpu", _model().state_dict()), rank, world)
+    with torch.device("meta"):
+        model = parallelize(_model(), ParallelDims(ep=2))
+    out["meta_resume"] = _train(materialize(model, "cpu"), rank, world, load=f"{path}/w2_fsdp_ep2")
+    with torch.device("meta"):
+        model = _model()
+    try:
+        parallelize(model, ParallelDims(ep=2), data_parallel="ddp")
+        out["meta_ddp"] = "no error"
+    except ValueError as e:
+        out["meta_ddp"] = str(e)
+    return out
+
+
 def _worker2(rank: int, world: int, path: str) -> dict:
     out = {"fsdp": _train(parallelize(_model(), ParallelDims(ep=2)), rank, world, save=f"{path}/w2_fsdp_ep2"),
            "ddp": _train(parallelize(_model(), ParallelDims(ep=2), data_parallel="ddp"), rank, world),
            "ep1": _train(parallelize(_model(), ParallelDims(ep=1)), rank, world),
            "accumulate": _train(parallelize(_model(), ParallelDims(ep=2)), rank, world, micro=2),
-           "accumulate_ddp": _train(parallelize(_model(), ParallelDims(ep=2), data_parallel="ddp"), rank, world,
-                                    micro=2)}
+           "accumulate_ddp": _train(parallelize(_model(), ParallelDims(ep=2), data_parallel="ddp",
+                                                ddp_options={"find_unused_parameters": True, "bucket_cap_mb": 0.01}),
+                                    rank, world, micro=2)}
     x, g = _layer_inputs()
     mine = slice(0, 7) if rank == 0 else slice(7, 7)  # rank 1 has no tokens
     layer = parallelize(_Layer(), ParallelDims(ep=2))
     out["layer"] = _layer_grads(layer, x[mine], g[mine], world, 7)
     out["raw"] = _raw_ep(rank, f"{path}/raw")
     out["faults"] = _faults()
+    out.update(_meta(rank, world, path))
     return out
 
 
@@ -288,12 +319,20 @@ def test_w2_fsdp_and_ddp_ep2(w2, oracle):
     assert all(b.abs().sum() > 0 for b in oracle["bias"].values())  # the balancing moved
 
 
+def test_w2_meta_device_init(w2, oracle):
+    # the seeded one-process values broadcast from rank 0, the non-persistent buffers re-initialised
+    _check(w2[0]["meta"], oracle, "W=2 fsdp ep=2 built on meta, materialized from rank 0's full model")
+    _check(w2[0]["meta_resume"], oracle, "W=2 fsdp ep=2 built on meta, materialized from a checkpoint")
+    _check(w2[0]["meta_every_rank"], oracle, "W=2 fsdp ep=2 built on meta, every rank's full state dict")
+    assert "meta" in w2[0]["meta_ddp"] and "materialize" in w2[0]["meta_ddp"]
+
+
 def test_w2_gradient_accumulation(w2):
     # two micro-batches per step, each one's aux loss over its own global micro-batch, as in one process
     # (each rank's expert counts of the first micro-batch must survive the second forward, also under DDP)
     oracle = _train(_model(), 0, 1, micro=2, split=2)
     _check(w2[0]["accumulate"], oracle, "W=2 fsdp ep=2, 2 micro-batches")
-    _check(w2[0]["accumulate_ddp"], oracle, "W=2 ddp ep=2, 2 micro-batches")
+    _check(w2[0]["accumulate_ddp"], oracle, "W=2 ddp ep=2 (find_unused_parameters, small buckets), 2 micro-batches")
 
 
 def test_w2_rank_without_tokens(w2):
@@ -322,10 +361,11 @@ def test_w2_raw_ep_group_and_faults(w2):
         raw = w2[rank]["raw"]
         assert raw["saved_shape"] == [E, 6, H] and raw["restored_own"]
         assert raw["restored_moment"] and raw["restored_opt_own"]
-        assert "parallelize" in raw["ddp"]
+        assert "parallelize" in raw["ddp"] and raw["ddp_kept_experts"]
         f = w2[rank]["faults"]
         assert "dp_replicate * dp_shard" in f["world"] and "ep" in f["ep_E"]
         assert "data_parallel" in f["data_parallel"] and "parallelize already ran" in f["twice"]
+        assert "parallelize" in f["ddp_twice"]
         assert f["router_fsdp"] is True
     assert w2[0]["raw"]["moment_shape"] == [E, 6, H]
 
@@ -337,7 +377,15 @@ def _worker4(rank: int, world: int, path: str) -> dict:
             "hsdp": _train(parallelize(_model(), ParallelDims(dp_replicate=2, ep=2)), rank, world,
                            save=f"{path}/w4_hsdp"),
             "resume": _train(parallelize(_model(), ParallelDims(ep=4), data_parallel="ddp"), rank, world,
-                             load=f"{path}/w2_fsdp_ep2")}
+                             load=f"{path}/w2_fsdp_ep2"),
+            "meta_hsdp": _train(_meta_hsdp(rank), rank, world)}
+
+
+def _meta_hsdp(rank: int) -> nn.Module:
+    """HSDP 2 x 2, ep = 2 (the experts FSDP-sharded over dp_replicate) built on meta, rank 0's values."""
+    with torch.device("meta"):
+        model = parallelize(_model(), ParallelDims(dp_replicate=2, ep=2))
+    return materialize(model, "cpu", _model().state_dict() if rank == 0 else None, from_rank0=True)
 
 
 @pytest.fixture(scope="module")
@@ -349,6 +397,7 @@ def test_w4_fsdp_hsdp_and_resume_from_w2(w4, oracle):
     _check(w4[0]["fsdp"], oracle, "W=4 fsdp ep=2 (efsdp=2)")
     _check(w4[0]["hsdp"], oracle, "W=4 hsdp 2x2 ep=2")
     _check(w4[0]["resume"], oracle, "W=4 ddp ep=4 from W=2 fsdp ep=2")
+    _check(w4[0]["meta_hsdp"], oracle, "W=4 hsdp 2x2 ep=2 built on meta, materialized from rank 0")
 
 
 def test_one_process_resume_and_incompatible(ckpt_dir, w4, oracle):
@@ -383,6 +432,17 @@ def test_raw_ep_group_checkpoint_loads_in_one_process(ckpt_dir, w2):
     assert torch.equal(layer.experts.w1, torch.cat(blocks))
 
 
+def test_materialize_in_one_process():
+    """Without a process group: a meta-built model gets the full state dict and fresh non-persistent buffers."""
+    with torch.device("meta"):
+        model = _model()
+    ref = _model()
+    materialize(model, "cpu", ref.state_dict())
+    for kind in ("named_parameters", "named_buffers"):
+        got, want = dict(getattr(model, kind)()), dict(getattr(ref, kind)())
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), kind
+
+
 def test_dims_bad_input_without_a_process_group():
     with pytest.raises(ValueError, match="ep"):
         ParallelDims(dp_shard=3, ep=2)
@@ -398,6 +458,18 @@ def test_dims_bad_input_without_a_process_group():
     assert ParallelDims(dp_replicate=2, ep=2).resolve(8).efsdp == 2
     with pytest.raises(RuntimeError, match="process group"):
         parallelize(_model(), ParallelDims())
+    with pytest.raises(ValueError, match="ddp_options"):
+        parallelize(_model(), ParallelDims(), ddp_options={"static_graph": True})  # with fsdp
+    with pytest.raises(ValueError, match="ddp_options"):
+        parallelize(_model(), ParallelDims(), data_parallel="ddp", ddp_options={"device_ids": [0]})
+    with pytest.raises(TypeError, match="find_unused_parameters"):
+        parallelize(_model(), ParallelDims(), data_parallel="ddp", ddp_options={"find_unused_parameters": 1})
+    with pytest.raises(ValueError, match="device"):
+        materialize(nn.Linear(2, 2), "meta")
+    with pytest.raises(TypeError, match="state_dict"):
+        materialize(nn.Linear(2, 2), "cpu", [])
+    with pytest.raises(ValueError, match="state_dict"):
+        materialize(nn.Linear(2, 2), "cpu", from_rank0=True)
 
 
 def _stalled(rank: int, world: int) -> str:

@@ -5,12 +5,12 @@ from .collectives import all_gather, all_to_all, even_sizes, gather_rows, reduce
 from .launch import SpawnError, free_port, spawn
 
 __all__ = ["ParallelDims", "SpawnError", "all_gather", "all_to_all", "clip_grad_norm_", "even_sizes", "free_port",
-           "gather_rows", "parallelize", "reduce_scatter", "spawn", "split_rows"]
+           "gather_rows", "materialize", "parallelize", "reduce_scatter", "spawn", "split_rows"]
 
 
 def __getattr__(name: str):
     # parallel.py imports sparseops.nn, which imports this package's collectives: loaded on first use
-    if name in ("ParallelDims", "clip_grad_norm_", "parallelize"):
+    if name in ("ParallelDims", "clip_grad_norm_", "materialize", "parallelize"):
         from . import parallel
 
         return getattr(parallel, name)

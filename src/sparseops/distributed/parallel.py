@@ -17,9 +17,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..nn.moe_layer import MoELayer
+from ..nn.moe_layer import MoELayer, _refuse_ddp_around_ep
 
 DATA_PARALLEL = ("fsdp", "ddp")
+#: the DistributedDataParallel options ``parallelize(..., ddp_options=...)`` passes through (value types)
+DDP_OPTIONS = {"find_unused_parameters": bool, "gradient_as_bucket_view": bool, "static_graph": bool,
+               "bucket_cap_mb": (int, float)}
 
 #: the attribute ``parallelize`` leaves on the model (checked to refuse a second call)
 _MARK = "_sparseops_parallel"
@@ -161,6 +164,25 @@ def _moe_layers(model: nn.Module) -> list[MoELayer]:
     return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
+def _check_ddp_options(options, data_parallel: str) -> dict:
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise TypeError(f"ddp_options: expected None or a dict, got {type(options).__name__}")
+    if options and data_parallel != "ddp":
+        raise ValueError(f"ddp_options: expected none with data_parallel={data_parallel!r}, got {sorted(options)}")
+    for key, value in options.items():
+        if key not in DDP_OPTIONS:
+            raise ValueError(f"ddp_options: expected keys among {sorted(DDP_OPTIONS)}, got {key!r}")
+        kind = DDP_OPTIONS[key]
+        if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
+            raise TypeError(f"ddp_options[{key!r}]: expected {'a bool' if kind is bool else 'a number'}, got "
+                            f"{type(value).__name__}")
+        if key == "bucket_cap_mb" and not value > 0:
+            raise ValueError(f"ddp_options['bucket_cap_mb']: expected a number > 0, got {value!r}")
+    return dict(options)
+
+
 def _check(model: nn.Module, dims: ParallelDims, data_parallel: str) -> tuple[ParallelDims, list[MoELayer]]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -168,6 +190,10 @@ def _check(model: nn.Module, dims: ParallelDims, data_parallel: str) -> tuple[Pa
         raise TypeError(f"dims: expected a sparseops.distributed.ParallelDims, got {type(dims).__name__}")
     if data_parallel not in DATA_PARALLEL:
         raise ValueError(f"data_parallel: expected one of {DATA_PARALLEL}, got {data_parallel!r}")
+    if data_parallel == "ddp" and any(p.is_meta for p in model.parameters()):
+        raise ValueError("model: expected parameters with storage for data_parallel='ddp' (DDP broadcasts rank "
+                         "0's values at construction), got meta parameters: build the model on the device, or "
+                         "use data_parallel='fsdp' and materialize")
     if getattr(model, _MARK, None) is not None:
         raise ValueError("model: expected a model not parallelized yet, got one parallelize already ran on "
                          f"({getattr(model, _MARK)})")
@@ -207,10 +233,28 @@ def _shard_experts(layer: MoELayer, dims: ParallelDims, device_type: str) -> Non
     if hasattr(experts, "num_experts"):
         experts.num_experts = El  # the counts its forward takes are the local experts'
     layer.ep_group, layer.ep_size, layer.ep_rank = ep_mesh.get_group(), dims.ep, j
+    _refuse_ddp_around_ep()
     layer._group_checked = dims.ep == 1
     layer.batch_group = dist.group.WORLD
     layer._batch_rows = dist.get_process_group_ranks(layer.ep_group) if dims.ep > 1 else [dist.get_rank()]
     layer.grad_scale = float(dims.world_size)
+
+
+def _divide_grads(layer: MoELayer) -> None:
+    """A hook ``g / W`` on each expert parameter no FSDP unit reduces (``W = ep``), unless it has one.
+
+    :func:`materialize` re-attaches it after ``to_empty``."""
+    W = getattr(layer, "_grad_divide", 1.0)
+    if W == 1.0:
+        return
+    for p in layer.experts.parameters():
+        hooks = p._backward_hooks or {}
+        if not any(getattr(h, "_sparseops_divide", False) for h in hooks.values()):
+            def divide(g, W=W):
+                return g / W
+
+            divide._sparseops_divide = True
+            p.register_hook(divide)
 
 
 def _owned(module: nn.Module, params: list) -> set | None:
@@ -228,10 +272,11 @@ def _fsdp_options(module, device_type: str, divide: float | None = None) -> None
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, *, data_parallel: str = "fsdp",
-                timeout: datetime.timedelta | float | None = None) -> nn.Module:
+                timeout: datetime.timedelta | float | None = None, ddp_options: dict | None = None) -> nn.Module:
     """Spread ``model`` over the world as ``dims`` lays it out, in place; returns ``model``.
 
-    Every rank passes the same full model (same seed). Each :class:`~sparseops.nn.MoELayer` keeps on rank
+    Every rank passes the same full model (same seed), or one built on the ``meta`` device and given its
+    values by :func:`materialize` afterwards (``"fsdp"`` only). Each :class:`~sparseops.nn.MoELayer` keeps on rank
     ``(..., efsdp_i, ep_j)`` the experts ``[j*E/ep, (j+1)*E/ep)`` as DTensors of the global shape ``[E, ...]``
     (``Shard(0)`` over ``ep``; FSDP2 along dim 1 over ``efsdp``, HSDP with ``dp_replicate``, or over
     ``dp_replicate`` alone when ``efsdp = 1``); its
@@ -245,15 +290,18 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, data_parallel: str = "f
     (docs/training.md, "Gradients"). ``model.state_dict()`` keys are the one-process keys.
 
     ``timeout``: of every collective on the layout's groups (see :meth:`ParallelDims.build`).
+    ``ddp_options`` (``"ddp"`` only): passed to DDP, among ``find_unused_parameters`` (a model whose forward
+    leaves some dense parameters out), ``static_graph``, ``gradient_as_bucket_view``, ``bucket_cap_mb``.
 
     Raises:
-        ValueError: a layout that does not match the world, an ``ep`` that does not divide ``dp_shard`` or a
+        ValueError: a layout that does not match the world, ``ddp_options`` not listed above (or with fsdp), an ``ep`` that does not divide ``dp_shard`` or a
             layer's E, MoE layers built with ``ep_group`` or ``replicated_tokens``, a second call; all before
             any collective. TypeError: a model or dims of the wrong type.
     """
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
+    options = _check_ddp_options(ddp_options, data_parallel)
     dims, layers = _check(model, dims, data_parallel)
     device_type = _device_type(model)
     dims = dims.build(device_type, timeout)
@@ -275,9 +323,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, data_parallel: str = "f
             # no data-parallel replica (W = ep): only the division by W is left. Not an FSDP unit of one rank,
             # whose reduction divides twice by a custom divide factor (torch 2.13, docs/training.md "Traps")
             loose += list(layer.experts.parameters())
-            if W > 1:
-                for p in layer.experts.parameters():
-                    p.register_hook(lambda g, W=W: g / W)
+            layer._grad_divide = W
+            _divide_grads(layer)
     if data_parallel == "fsdp":
         dense = dims.mesh("dense", device_type)
         dense = dense if dims.dp_replicate > 1 else dense["dp_shard"]
@@ -293,8 +340,50 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, data_parallel: str = "f
         # buffers stay per rank, as under FSDP (replicate's DDP holds only the parameters): the routers'
         # expert counts are per-rank buffers that update_expert_bias sums
         replicate(model, device_mesh=dims.mesh("dp", device_type),
-                  ignored_modules=[la.experts for la in layers if any(id(p) in loose_ids for p in la.experts.parameters())])
+                  ignored_modules=[la.experts for la in layers if any(id(p) in loose_ids for p in la.experts.parameters())],
+                  **options)
     setattr(model, _MARK, f"{dims}, data_parallel={data_parallel!r}")
+    return model
+
+
+def materialize(model: nn.Module, device: torch.device | str, state_dict: dict | None = None, *,
+                from_rank0: bool = False) -> nn.Module:
+    """Give a model built on the ``meta`` device and then parallelized its storage and values; returns it.
+
+    ``model.to_empty(device=device)`` allocates this rank's shards, then every module's ``reset_buffers()``
+    (``TopKRouter``, ``NativeSparseAttention``) re-initialises the non-persistent buffers no state dict holds.
+    ``state_dict``: the one-process model's full ``state_dict()`` (plain tensors, one-process keys); each rank
+    keeps its slice, so the parallel model starts as the seeded one-process model split. ``from_rank0=True``:
+    only rank 0 passes it (the others pass None and never hold the full model); it is broadcast
+    (``set_model_state_dict`` with ``broadcast_from_rank0``). Without either, load the values next, e.g.
+    ``sparseops.distributed.checkpoint.load(path, model)`` (docs/training.md, "Meta-device initialisation").
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if torch.device(device).type == "meta":
+        raise ValueError("device: expected a device with storage, got meta")
+    if state_dict is not None and not isinstance(state_dict, dict):
+        raise TypeError(f"state_dict: expected None or a dict, got {type(state_dict).__name__}")
+    if not isinstance(from_rank0, bool):
+        raise TypeError(f"from_rank0: expected a bool, got {type(from_rank0).__name__}")
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if state_dict is None and from_rank0 and rank == 0:
+        raise ValueError("state_dict: expected the full state dict on rank 0 with from_rank0=True, got None")
+    model.to_empty(device=device)
+    for module in model.modules():
+        reset = getattr(module, "reset_buffers", None)
+        if callable(reset):
+            reset()
+    for p in model.parameters():
+        if p._backward_hooks:
+            # to_empty swaps a DTensor parameter's tensor: the hook dict stays on the Parameter, the autograd
+            # hook that runs it is gone. Setting the dict installs it again (and drops a stale one)
+            p._backward_hooks = p._backward_hooks
+    if state_dict is not None or from_rank0:
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_rank0)
+        set_model_state_dict(model, state_dict if state_dict is not None else {}, options=options)
     return model
 
 

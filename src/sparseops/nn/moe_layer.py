@@ -78,7 +78,8 @@ class MoELayer(nn.Module):
     global shape and the losses and counts cover the global batch. ``forward`` calls ``router``, ``experts`` and
     ``shared`` through ``__call__``, so hooks on them (FSDP2, forward hooks, checkpointing) run. With a raw
     ``ep_group``, ``state_dict()`` holds the local experts as DTensors of the global shape ``[E, ...]`` (a DCP
-    save writes all E experts), and DistributedDataParallel around the layer raises at its first forward.
+    save writes all E experts), and DistributedDataParallel around a model holding the layer raises at its
+    construction, before it broadcasts anything (docs/training.md, "The raw ep_group API").
 
     With ``replicated_tokens=True`` every rank passes the same tokens instead (expert parallelism without
     data parallelism: the layers around run the whole batch on every rank). Every rank routes all of them
@@ -143,6 +144,8 @@ class MoELayer(nn.Module):
         # the group over whose batch the losses and MoEAux count (None: ep_group), the positions of the EP
         # group's ranks in it, and the gradient scale of this rank's loss part: set by parallelize
         self.batch_group, self._batch_rows, self.grad_scale = None, None, 1.0
+        if ep > 1:
+            _refuse_ddp_around_ep()
         self.register_state_dict_post_hook(_experts_to_global)
         self.register_load_state_dict_pre_hook(_experts_from_global)
 
@@ -310,3 +313,38 @@ def _inside_ddp() -> bool:
     parallel = sys.modules.get("torch.nn.parallel.distributed")
     active = getattr(getattr(parallel, "DistributedDataParallel", None), "_get_active_ddp_module", None)
     return active is not None and active() is not None
+
+
+_DDP_HOOK = None
+
+
+def _refuse_ddp_around_ep() -> None:
+    """Register, once, the global module-registration hook :func:`_check_ddp_child` (torch's public
+    ``register_module_module_registration_hook``): DDP's constructor registers the model it wraps as its
+    submodule before it broadcasts rank 0's parameters, so the hook runs first."""
+    global _DDP_HOOK
+    if _DDP_HOOK is None:
+        _DDP_HOOK = nn.modules.module.register_module_module_registration_hook(_check_ddp_child)
+
+
+def _check_ddp_child(parent: nn.Module, name: str, child) -> None:
+    """Raise ``ValueError`` naming ``parallelize`` when a DistributedDataParallel takes a model holding an
+    expert-parallel :class:`MoELayer` (built with ``ep_group``, or parallelized): its broadcast would overwrite
+    other ranks' experts with rank 0's, its all-reduce average different experts' gradients."""
+    parallel = sys.modules.get("torch.nn.parallel.distributed")
+    ddp = getattr(parallel, "DistributedDataParallel", None)
+    if ddp is None or not isinstance(parent, ddp) or not isinstance(child, nn.Module):
+        return None
+    for m in child.modules():
+        if isinstance(m, MoELayer) and m.batch_group is not None:
+            raise ValueError(
+                "module: expected no MoELayer that sparseops.distributed.parallelize already spread over the "
+                "ranks inside torch.nn.parallel.DistributedDataParallel, got one: parallelize(..., "
+                "data_parallel='ddp') already gives the model DDP's gradient all-reduce")
+        if isinstance(m, MoELayer) and m.ep_size > 1:
+            raise ValueError(
+                "module: expected no MoELayer built with ep_group inside torch.nn.parallel."
+                "DistributedDataParallel, got one: DDP would broadcast rank 0's experts over the other ranks' "
+                "and average the gradients of different experts. Build the model without ep_group and call "
+                "sparseops.distributed.parallelize(model, ParallelDims(ep=...), data_parallel='ddp') instead")
+    return None

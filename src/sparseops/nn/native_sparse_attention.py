@@ -129,6 +129,12 @@ class NativeSparseAttention(nn.Module):
         self.register_buffer("gate_mask", torch.tensor([b in self.branches for b in BRANCHES], **kw),
                              persistent=False)
 
+    def reset_buffers(self) -> None:
+        """Re-initialise the non-persistent buffer (``gate_mask``: 1 for each enabled branch), e.g. after
+        ``to_empty``."""
+        with torch.no_grad():
+            self.gate_mask.copy_(torch.tensor([b in self.branches for b in BRANCHES]))
+
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, v_head_dim={self.v_head_dim}, blocks=(l={self.compress_block_size}, "

@@ -109,6 +109,11 @@ class TopKRouter(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=self.hidden_size ** -0.5)
 
+    def reset_buffers(self) -> None:
+        """Re-initialise the non-persistent buffer (the routed-slot counts: zeros), e.g. after ``to_empty``."""
+        if self.local_tokens_per_expert is not None:
+            self.local_tokens_per_expert.zero_()
+
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, top_k={self.top_k}, "
                 f"score_func={self.score_func!r}, num_groups={self.num_groups}, group_topk={self.group_topk}")
