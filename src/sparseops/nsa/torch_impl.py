@@ -288,19 +288,22 @@ def _backward_global(job, q, dout, out, m, l, kb, vb, scale, acc, dq, dkb, dvb, 
     elt = torch.finfo(acc).bits // 8
     per_tile = (M * G * (2 * Dqk + Dv + 3 * bs) + 2 * bs * (Dqk + Dv + M)) * elt
     qf, dyf = q.reshape(T1 * N2, G * Dqk), dout.reshape(T1 * N2, G * Dv)
-    # [T1*N2, G*3]: per row m, 1/l and D = rowsum(dY * O)
-    stats = torch.stack([m.to(acc), torch.where(l > 0, 1.0 / l.to(acc), 0.0),
-                         (dout.to(acc) * out.to(acc)).sum(dim=-1)], dim=-1).view(T1 * N2, G * 3)
+    # [T1*N2, G*2]: per row the log-sum-exp m + log(l) (0 where l = 0: such a row has no visible key, its
+    # weights are 0) and D = rowsum(dY * O)
+    lse = torch.where(l > 0, m.to(acc) + torch.log(l.to(acc)), 0.0)
+    stats = torch.stack([lse, (dout.to(acc) * out.to(acc)).sum(dim=-1)], dim=-1).view(T1 * N2, G * 2)
     dqa = torch.zeros(job.n_acc + 1, G * Dqk, dtype=acc, device=q.device)  # over the rows of job.tok
     for b in job.batches(per_tile, p.knobs.chunk_bytes):
-        qt, dyt = b.rows(qf, acc).mul_(scale), b.rows(dyf, acc)
-        st = b.rows(stats, acc).view(b.R, G, 3)
+        # Q unscaled: the scale enters the scores' matmul and the small dK per tile, not a pass over Q
+        qt, dyt = b.rows(qf, acc), b.rows(dyf, acc)
+        st = b.rows(stats, acc).view(b.R, G, 2)
         ks, vs = b.gather(kb), b.gather(vb)
-        pr = torch.bmm(qt, ks.transpose(1, 2))
-        _probs(pr.view(b.R, G, 1, bs), b.weight(acc), st[..., 0, None, None], st[..., 1, None, None], acc)
-        ds = _dsoftmax(torch.bmm(dyt, vs.transpose(1, 2)), st[..., 2].reshape(b.n, M * G, 1), pr)
+        pr = torch.baddbmm(qt.new_empty(()), qt, ks.transpose(1, 2), beta=0.0, alpha=scale)
+        # P = exp(S - lse): the normalisation is in the exponent, not a further pass
+        _probs(pr.view(b.R, G, 1, bs), b.weight(acc), st[..., 0, None, None], None, acc)
+        ds = _dsoftmax(torch.bmm(dyt, vs.transpose(1, 2)), st[..., 1].reshape(b.n, M * G, 1), pr)
         dqa.index_add_(0, b.row_acc, torch.bmm(ds, ks).view(b.R, G * Dqk))
-        _accumulate(dkb, b.tile_blk, torch.bmm(ds.transpose(1, 2), qt), deterministic)
+        _accumulate(dkb, b.tile_blk, torch.bmm(ds.transpose(1, 2), qt).mul_(scale), deterministic)
         _accumulate(dvb, b.tile_blk, torch.bmm(pr.transpose(1, 2), dyt), deterministic)
     job.write(dq, dqa, scale)
 

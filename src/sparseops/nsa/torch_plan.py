@@ -63,12 +63,13 @@ class NsaTorchSettings:
     #: block at once, so a tile gathers its block for the slots of every such chunk (not of one chunk of 16-64
     #: tokens), and the tiles are run in batches of ``chunk_bytes``. The forward then takes two passes (the row
     #: maxima, then the probabilities and ``P V``, summed into the tokens' rows: its ``Q Kᵀ`` twice); the
-    #: backward adds each slot's dQ into its token's row. Taken where the tile chunks share blocks little, ``G *``
-    #: (live slots per distinct (chunk, block)) below this (forward / backward), and the call shares at least
-    #: twice as much: sparse sharing gains from the larger tiles, dense sharing loses the forward's second pass.
-    #: 0: never; inf: always
-    global_fwd_share: float = 64.0
-    global_bwd_share: float = 96.0
+    #: backward adds each slot's dQ into its token's row. Taken where ``G *`` (live slots per distinct (chunk,
+    #: block)), about the rows of a chunk's tiles, is below this (forward / backward) and the call shares at
+    #: least twice as much: per-chunk tiles of fewer rows make small matmuls that run far below the matmul rate,
+    #: so only chunks whose own tiles are large keep them; the forward's limit is lower, as its second pass
+    #: costs a ``Q Kᵀ``. 0: never; inf: always
+    global_fwd_share: float = 512.0
+    global_bwd_share: float = 1024.0
 
 
 #: the knobs in force; tests and tuning scripts change them with ``SETTINGS.override(...)``
