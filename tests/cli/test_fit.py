@@ -47,7 +47,7 @@ def test_fit_shape_that_does_not_fit_returns_1(capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--block-size", "63"], "selected_block_size: expected a multiple of 16, got 63"),
+    (["--block-size", "63"], "selected_block_size: expected 1, 2, 4, 8 or a multiple of 16 in [16, 128], got 63"),
     (["--dv", "256"], "value"),  # Dv > Dqk
     (["--dtype", "fp32", "--block-count", "0"], "selected_block_count"),
     (["--dqk", "-5"], "Dqk: expected >= 1, got -5"),  # a negative dim: a usage error, not a traceback
