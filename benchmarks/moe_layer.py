@@ -9,7 +9,8 @@ per-expert loop); the fastest is the one we compare with. Outputs are checked fi
 and y within the fp32 tolerance; bf16: the tokens both route the same way, within the bf16 tolerance).
 
 What is timed: forward + backward (``y.backward(gy)``, gradients of x and every weight), median of several
-runs after a warm-up, ours and the peer's paths in turn run after run (the machine's load may drift). The floor is the experts' matmul FLOPs, ``18 * T * K * H * F`` (forward 3 GEMMs,
+runs after a warm-up, ours and the peer's paths in turn run after run (the machine's load may drift); the
+process CPU time of each call is recorded beside its wall time. The floor is the experts' matmul FLOPs, ``18 * T * K * H * F`` (forward 3 GEMMs,
 backward 6), at the fp32 matmul rate measured in the same run. Goals: ours >= 1.2x faster than the peer's
 fastest path, and >= 60 % of the matmul rate (floor / ours >= 0.6).
 
@@ -184,26 +185,30 @@ def bench_one_process(mode: str, peers: bool, warmup: int, runs: int, log) -> tu
             else:
                 row["peer"][impl]["error"] = "outputs differ: not timed"
         times: dict[str, list[float]] = {k: [] for k in steps}
+        cpu: dict[str, list[float]] = {k: [] for k in steps}
         for k, fn in list(steps.items()):
             try:
                 for _ in range(warmup):
                     fn()
             except Exception as exc:  # a peer path this torch cannot run: reported, not fatal
                 row["peer"][k]["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                del steps[k], times[k]
+                del steps[k], times[k], cpu[k]
         gc.collect()
         for _ in range(runs):
             for k, fn in steps.items():
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 fn()
                 times[k].append(time.perf_counter() - t0)
+                cpu[k].append(time.process_time() - c0)
         row["ours_s"] = statistics.median(times["ours"])
+        row["ours_cpu_s"] = statistics.median(cpu["ours"])
         row["ours_min_s"] = min(times["ours"])
         row["floor_over_ours"] = floor_s / row["ours_s"]
         log(f"{name}: ours {row['ours_s'] * 1e3:.0f} ms (floor {floor_s * 1e3:.0f} ms)")
         for k in times:
             if k != "ours":
                 row["peer"][k]["time_s"] = statistics.median(times[k])
+                row["peer"][k]["cpu_s"] = statistics.median(cpu[k])
                 log(f"{name}: peer {k} {row['peer'][k]['time_s'] * 1e3:.0f} ms")
         timed = {k: v["time_s"] for k, v in row["peer"].items() if "time_s" in v}
         if timed:
@@ -211,6 +216,7 @@ def bench_one_process(mode: str, peers: bool, warmup: int, runs: int, log) -> tu
             row["peer_best"] = best
             row["peer_best_s"] = timed[best]
             row["speedup_vs_peer"] = timed[best] / row["ours_s"]
+            row["cpu_speedup_vs_peer"] = row["peer"][best]["cpu_s"] / row["ours_cpu_s"]
             row["goal_speedup_met"] = row["speedup_vs_peer"] >= SPEEDUP_GOAL
         row["goal_floor_met"] = row["floor_over_ours"] >= FLOOR_GOAL
         rows.append(row)
@@ -408,6 +414,7 @@ def markdown(record: dict) -> str:
                                          f"{r['ours_s'] * 1e3:.0f}", peer("grouped_mm"), peer("eager"), sp,
                                          f"{r['floor_s'] * 1e3:.0f}", f"{r['floor_over_ours']:.0%}",
                                          f"{g1}, {g2}"]) + " |")
+    lines += ["", cpu_line(record["rows"])]
     ep = record.get("ep")
     if ep:
         s = ep["shape"]
@@ -423,6 +430,17 @@ def markdown(record: dict) -> str:
     if record.get("transformers_block"):
         lines += hf_block_markdown(record["transformers_block"])
     return "\n".join(lines)
+
+
+def cpu_line(rows: list[dict]) -> str:
+    """The process CPU seconds of each timed column (all threads, median): steadier than wall time on a machine
+    that other jobs share, where a preempted OpenMP thread stalls its whole region."""
+    parts = []
+    for r in rows:
+        cols = [f"ours {r['ours_cpu_s']:.2f} s"] + [f"{k} {v['cpu_s']:.2f} s" for k, v in r["peer"].items() if "cpu_s" in v]
+        ratio = f", HF fastest / ours {r['cpu_speedup_vs_peer']:.2f}x" if "cpu_speedup_vs_peer" in r else ""
+        parts.append(f"{r['dtype']}: " + ", ".join(cols) + ratio)
+    return "Process CPU time per fwd+bwd (median): " + "; ".join(parts) + "."
 
 
 def main(argv=None) -> int:

@@ -25,6 +25,7 @@ import torch
 
 from .. import _compile
 from .._settings import Settings
+from . import workspace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,9 @@ class MoeTorchSettings:
     compiled_max_k: int = 16
     #: the alignment of the huge-page advice: the OS page size
     page_bytes: int = 4096
+    #: CPU buffers of ``huge_min_bytes`` or more are recycled through ``moe.workspace.POOL``, which holds at most
+    #: this many bytes of blocks (0: every buffer fresh)
+    pool_bytes: int = 4 << 30
 
 
 #: the knobs in force; tests and tuning scripts change them with ``SETTINGS.override(...)``
@@ -77,22 +81,34 @@ _madvise = _UNSET
 
 
 def _empty_rows(n: int, H: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.empty(n, H)``; on Linux CPU, a large one is first advised ``MADV_HUGEPAGE``.
+    """``torch.empty(n, H)``; on CPU, a large one is a recycled block of ``workspace.POOL`` when one is free.
 
-    A fresh large CPU tensor is a new ``mmap``: writing it faults once per 4 KiB page, and those faults cost
-    about as much as the copy itself. With the advice (honoured when transparent huge pages are in
-    ``madvise`` or ``always`` mode) it faults once per 2 MiB. The advice only changes how the pages are
-    backed, never their contents; any failure is ignored.
+    A fresh large CPU tensor is a new ``mmap``: the kernel zeroes each page at its first touch, which costs
+    about as much as the copy itself, every step again. The pool's blocks are faulted in once. A new large
+    block (pooled or not) is first advised ``MADV_HUGEPAGE`` on Linux, so it faults once per 2 MiB instead of
+    per 4 KiB (honoured when transparent huge pages are in ``madvise`` or ``always`` mode). Neither changes
+    a value: contents are undefined, as from ``torch.empty``; any failure of the advice is ignored.
     """
-    global _madvise
     knobs = SETTINGS.get()
-    out = torch.empty(n, H, dtype=dtype, device=device)
-    nbytes = out.numel() * out.element_size()
+    device = torch.device(device)
+    nbytes = n * H * dtype.itemsize
+    if device.type != "cpu" or nbytes < knobs.huge_min_bytes:
+        return torch.empty(n, H, dtype=dtype, device=device)
+    if knobs.pool_bytes > 0:
+        block = workspace.POOL.take(nbytes, knobs.pool_bytes, lambda size: _advised(torch.empty(size, dtype=torch.uint8)))
+        if block is not None:
+            return block.view(dtype).view(n, H)
+    return _advised(torch.empty(n, H, dtype=dtype, device=device))
+
+
+def _advised(out: torch.Tensor) -> torch.Tensor:
+    """``out`` (a fresh CPU tensor) after advising its pages ``MADV_HUGEPAGE``."""
+    global _madvise
     if _madvise is _UNSET:
         _madvise = _load_madvise()
-    if _madvise is not None and out.device.type == "cpu" and nbytes >= knobs.huge_min_bytes:
-        p = out.data_ptr()
-        page = knobs.page_bytes
+    if _madvise is not None:
+        page = SETTINGS.get().page_bytes
+        p, nbytes = out.data_ptr(), out.numel() * out.element_size()
         a = (p + page - 1) & ~(page - 1)
         length = (p + nbytes - a) & ~(page - 1)
         if length > 0:

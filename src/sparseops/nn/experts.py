@@ -36,7 +36,7 @@ SETTINGS = Settings(ExpertSettings())
 
 
 def _empty(shape, like: torch.Tensor) -> torch.Tensor:
-    """A fresh buffer; large CPU ones are advised huge pages (moe.md, "CPU performance": fewer page faults)."""
+    """An uninitialised buffer; large CPU ones are recycled blocks (moe.md, "CPU performance": no page faults)."""
     shape = tuple(shape)
     n = 1
     for d in shape[:-1]:
