@@ -63,3 +63,21 @@ def token_seq_positions(cu: list[int], device=None) -> tuple[torch.Tensor, torch
     starts = device_tensor(cu[:-1], torch.int64, device)
     pos = torch.arange(total, dtype=torch.int64, device=device) - starts[seq_id]
     return seq_id, pos
+
+
+def cu_seqlens_list(name: str, cu, total: int) -> list[int]:
+    """flash-attention ``cu_seqlens`` (int tensor ``[B+1]`` or list of ints, leading 0; None = one sequence)
+    -> a list of Python ints ``[0, c1, ..., total]``."""
+    if cu is None:
+        return [0, int(total)]
+    vals = int_list(name, cu)
+    if len(vals) < 2:
+        raise ValueError(f"{name}: expected at least 2 entries [0, ..., T], got {vals}")
+    if vals[0] != 0:
+        raise ValueError(f"{name}: expected a leading 0 (flash-attention cu_seqlens), got {vals[0]} first")
+    for i in range(1, len(vals)):
+        if vals[i] < vals[i - 1]:
+            raise ValueError(f"{name}: expected non-decreasing entries, got {vals[i - 1]} then {vals[i]} at index {i}")
+    if vals[-1] != total:
+        raise ValueError(f"{name}: expected the last entry to equal the token count {total}, got {vals[-1]}")
+    return vals

@@ -18,17 +18,7 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def cu_seqlens_list(cu, total: int) -> list[int]:
     """flash-attention ``cu_seqlens`` (leading 0, int tensor or list; None = one sequence) -> ``list[int]``."""
-    if cu is None:
-        return [0, int(total)]
-    vals = _varlen.int_list("cu_seqlens", cu)
-    if len(vals) < 2 or vals[0] != 0:
-        raise ValueError(f"cu_seqlens: expected [0, ..., T] with a leading 0, got {vals}")
-    for i in range(1, len(vals)):
-        if vals[i] < vals[i - 1]:
-            raise ValueError(f"cu_seqlens: expected non-decreasing entries, got {vals[i - 1]} then {vals[i]} at {i}")
-    if vals[-1] != total:
-        raise ValueError(f"cu_seqlens: expected the last entry to equal the token count {total}, got {vals[-1]}")
-    return vals
+    return _varlen.cu_seqlens_list("cu_seqlens", cu, total)
 
 
 def check_indexer_args(q_idx, k_idx, weights, cu_seqlens, causal) -> tuple[list[int], bool]:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import _checks, _varlen
+from .. import _checks
+from .._varlen import cu_seqlens_list  # noqa: F401  shared with sparseops.dsa
 
 #: input dtypes of the pieces: fp16/bf16/fp32 for models, float64 for the oracles and gradcheck
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -23,22 +24,6 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def cu_seqlens_list(name: str, cu, total: int) -> list[int]:
-    """flash-attention ``cu_seqlens`` (int tensor ``[B+1]`` or list of ints, leading 0; None = one sequence)
-    -> a list of Python ints ``[0, c1, ..., total]``."""
-    if cu is None:
-        return [0, int(total)]
-    vals = _varlen.int_list(name, cu)
-    if len(vals) < 2:
-        raise ValueError(f"{name}: expected at least 2 entries [0, ..., T], got {vals}")
-    if vals[0] != 0:
-        raise ValueError(f"{name}: expected a leading 0 (flash-attention cu_seqlens), got {vals[0]} first")
-    for i in range(1, len(vals)):
-        if vals[i] < vals[i - 1]:
-            raise ValueError(f"{name}: expected non-decreasing entries, got {vals[i - 1]} then {vals[i]} at index {i}")
-    if vals[-1] != total:
-        raise ValueError(f"{name}: expected the last entry to equal the token count {total}, got {vals[-1]}")
-    return vals
 
 
 def check_blocks(block_size, stride, select_block_size=None) -> tuple[int, int]:
