@@ -144,3 +144,14 @@ def resolve_backend(backend, device: torch.device) -> str:
                 f"got tensors on {device}"
             )
     return backend
+
+
+def check_hidden_states(x, hidden_size: int, param_dtype: torch.dtype, dtypes) -> torch.Tensor:
+    """An attention layer's input: a tensor ``[T, hidden_size]`` of one of ``dtypes``, in the parameters' dtype."""
+    x = check_tensor("x", x, ndim=2, dtypes=dtypes)
+    if x.shape[1] != hidden_size:
+        raise ValueError(f"x: expected shape [T, hidden_size={hidden_size}], got {list(x.shape)}")
+    if x.dtype != param_dtype:
+        raise TypeError(f"x: expected dtype {str(param_dtype).replace('torch.', '')} (the parameters' dtype), "
+                        f"got {str(x.dtype).replace('torch.', '')}")
+    return x

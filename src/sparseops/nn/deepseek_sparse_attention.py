@@ -106,11 +106,7 @@ class DeepSeekSparseAttention(nn.Module):
         Returns:
             ``y`` or ``(y, info)``.
         """
-        x = _checks.check_tensor("x", x, ndim=2, dtypes=DTYPES)
-        if x.shape[1] != self.hidden_size:
-            raise ValueError(f"x: expected shape [T, hidden_size={self.hidden_size}], got {list(x.shape)}")
-        if x.dtype != self.q_proj.weight.dtype:
-            raise TypeError(f"x: expected dtype {self.q_proj.weight.dtype} (the parameters' dtype), got {x.dtype}")
+        x = _checks.check_hidden_states(x, self.hidden_size, self.q_proj.weight.dtype, DTYPES)
         return_info = _checks.check_bool("return_info", return_info)
         T = x.shape[0]
         cu = cu_seqlens_list(cu_seqlens, T)

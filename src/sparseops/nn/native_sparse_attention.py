@@ -9,7 +9,7 @@ from .. import _checks
 from .._varlen import token_seq_positions
 from ..nsa.api import nsa_selected_attention
 from ..nsa_branches import compress_kv, compressed_attention, select_blocks, sliding_window_attention
-from ..nsa_branches.checks import DTYPES, cmp_cu_seqlens, cu_seqlens_list, dtype_name
+from ..nsa_branches.checks import DTYPES, cmp_cu_seqlens, cu_seqlens_list
 from .rope import apply_rope
 
 BRANCHES = ("cmp", "slc", "win")
@@ -156,12 +156,7 @@ class NativeSparseAttention(nn.Module):
         Returns:
             ``y`` or ``(y, info)``.
         """
-        x = _checks.check_tensor("x", x, ndim=2, dtypes=DTYPES)
-        if x.shape[1] != self.hidden_size:
-            raise ValueError(f"x: expected shape [T, hidden_size={self.hidden_size}], got {list(x.shape)}")
-        if x.dtype != self.q_proj.weight.dtype:
-            raise TypeError(f"x: expected dtype {dtype_name(self.q_proj.weight.dtype)} (the parameters' dtype), "
-                            f"got {dtype_name(x.dtype)}")
+        x = _checks.check_hidden_states(x, self.hidden_size, self.q_proj.weight.dtype, DTYPES)
         return_info = _checks.check_bool("return_info", return_info)
         T = x.shape[0]
         cu = cu_seqlens_list("cu_seqlens", cu_seqlens, T)
