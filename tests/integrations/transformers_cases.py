@@ -6,6 +6,7 @@ import importlib
 import inspect
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 SMALL = {"hidden": 16, "ffn": 12, "experts": 5}
 
@@ -107,3 +108,27 @@ def run_experts(module, fn, x, idx, w):
     grads = {"hidden_states": x.grad, "top_k_weights": w.grad}
     grads.update({n: p.grad for n, p in module.named_parameters()})
     return y.detach(), grads
+
+
+class _Float32Seen(TorchFunctionMode):
+    """Records whether any op returns a float32 tensor (a float64 forward that does so computes in fp32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                self.seen = True
+        return out
+
+
+def eager_computes_in_fp32(module, x, idx, w) -> bool:
+    """Whether the eager forward of a float64 ``module`` makes float32 tensors on the way (a ``.float()`` in the
+    act_fn, an fp32 accumulator): then its float64 output is only fp32-exact, and so is any comparison with it."""
+    mode = _Float32Seen()
+    with torch.no_grad(), mode:
+        eager_forward(module)(x, idx, w)
+    return mode.seen
