@@ -51,6 +51,7 @@ def test_topk_matches_dense_reference(T, cu, topk, causal, ties, monkeypatch):
     for chunk in (indexer.CHUNK_BYTES, 1):  # one chunk per sequence, and one query row per chunk
         exp_idx, dense, starts = _expected(q, k, w, topk, cu_l, causal)
         monkeypatch.setattr(indexer, "CHUNK_BYTES", chunk)
+        monkeypatch.setattr(indexer, "BACKWARD_CHUNK_BYTES", chunk)
         idx, sc = indexer_topk(q, k, w, topk, cu_seqlens=cu, causal=causal)
         assert idx.dtype == torch.int32 and idx.shape == (T, topk)
         assert torch.equal(idx.long(), exp_idx)

@@ -17,8 +17,10 @@ import torch
 from .. import _checks
 from .checks import acc_dtype, check_indexer_args
 
-#: bytes of one chunk's score work tensors (forward) and gathered keys (backward)
+#: bytes of one chunk's score work tensors (forward; the backward's gathered keys off the CPU)
 CHUNK_BYTES = 32 * 2**20
+#: bytes of one chunk's gathered keys in the CPU backward: a few tokens, so that they stay in the cache
+BACKWARD_CHUNK_BYTES = 4 * 2**20
 
 _NEG_INF = float("-inf")
 
@@ -103,20 +105,30 @@ class _IndexerTopk(torch.autograd.Function):
         if T == 0 or d_scores is None:
             return dq.to(q_idx.dtype), dk.to(k_idx.dtype), dw.to(weights.dtype), None, None, None
         elt = torch.finfo(acc).bits // 8
-        C = max(1, min(T, CHUNK_BYTES // (topk * (2 * Di + 3 * Hi + 2) * elt)))
+        budget = BACKWARD_CHUNK_BYTES if q_idx.device.type == "cpu" else CHUNK_BYTES
+        C = max(1, min(T, budget // (topk * (2 * Di + 3 * Hi + 2) * elt)))
+        kf = k_idx.to(acc)
+        # one call's work buffers, written with out= chunk after chunk (a fresh tensor per chunk faults its pages in)
+        kbuf = torch.empty(C * topk * Di, dtype=acc, device=q_idx.device)
+        dbuf = torch.empty(C * Hi * topk, dtype=acc, device=q_idx.device)
+        rbuf = torch.empty(C * Hi * topk, dtype=acc, device=q_idx.device)
+        kgbuf = torch.empty(C * topk * Di, dtype=acc, device=q_idx.device)
         for t0 in range(0, T, C):
             t1 = min(T, t0 + C)
+            c = t1 - t0
             idx = indices[t0:t1].to(torch.int64)
             live = idx >= 0
             rows = torch.where(live, idx + start[t0:t1, None], 0)
             g = torch.where(live, d_scores[t0:t1].to(acc), 0.0)  # [c, topk]
-            kg = k_idx.index_select(0, rows.view(-1)).view(t1 - t0, topk, Di).to(acc)
+            kg = torch.index_select(kf, 0, rows.view(-1), out=kbuf[:c * topk * Di].view(-1, Di)).view(c, topk, Di)
             qs = q_idx[t0:t1].to(acc)
-            dots = torch.bmm(qs, kg.transpose(1, 2))  # [c, Hi, topk]
-            dw[t0:t1] = torch.bmm(torch.relu(dots), g[:, :, None])[..., 0]
-            dr = (dots > 0).to(acc).mul_(weights[t0:t1].to(acc)[:, :, None]).mul_(g[:, None, :])
+            dots = torch.bmm(qs, kg.transpose(1, 2), out=dbuf[:c * Hi * topk].view(c, Hi, topk))
+            dr = rbuf[:c * Hi * topk].view(c, Hi, topk).copy_(dots > 0)
+            dw[t0:t1] = torch.bmm(dots.relu_(), g[:, :, None])[..., 0]
+            dr.mul_(weights[t0:t1].to(acc)[:, :, None]).mul_(g[:, None, :])
             dq[t0:t1] = torch.bmm(dr, kg)
-            _add_rows(dk, rows.view(-1), torch.bmm(dr.transpose(1, 2), qs).view(-1, Di))
+            dkc = torch.bmm(dr.transpose(1, 2), qs, out=kgbuf[:c * topk * Di].view(c, topk, Di))
+            _add_rows(dk, rows.view(-1), dkc.view(-1, Di))
         return dq.to(q_idx.dtype), dk.to(k_idx.dtype), dw.to(weights.dtype), None, None, None
 
 

@@ -12,8 +12,10 @@ import torch
 from .. import _checks
 from .checks import DTYPES, acc_dtype, check_positions, cu_seqlens_list
 
-#: bytes of one chunk's gathered keys and logits while computing the target
-CHUNK_BYTES = 32 * 2**20
+#: bytes of one chunk's gathered keys and logits while computing the target, on the CPU (a few tokens: they stay
+#: in the cache) and on other devices (where a chunk's launches cost more)
+CHUNK_BYTES = 4 * 2**20
+DEVICE_CHUNK_BYTES = 32 * 2**20
 
 
 def _check(q, k, indices, scores, scale, head_num, cu_seqlens):
@@ -54,22 +56,29 @@ def _target(q, k, indices, scale, cu):
     start = torch.tensor(cu[:-1], dtype=torch.int64, device=dev)[seq]
     p = torch.zeros(T, topk, dtype=acc, device=dev)
     elt = torch.finfo(acc).bits // 8
-    C = max(1, min(T, CHUNK_BYTES // (topk * (N2 * D + 2 * N1 + 1) * elt)))
-    kf = k.reshape(T * N2, D)
+    budget = CHUNK_BYTES if dev.type == "cpu" else DEVICE_CHUNK_BYTES
+    C = max(1, min(T, budget // (topk * (N2 * D + 2 * N1 + 1) * elt)))
+    kf = k.reshape(T * N2, D).to(acc)
+    heads = torch.arange(N2, device=dev)[:, None]
+    # one call's work buffers, written with out= chunk after chunk (a fresh tensor per chunk faults its pages in)
+    kbuf = torch.empty(C * N2 * topk * D, dtype=acc, device=dev)
+    xbuf = torch.empty(C * N1 * topk, dtype=acc, device=dev)
+    qbuf = torch.empty(C * N1 * D, dtype=acc, device=dev)
     for t0 in range(0, T, C):
         t1 = min(T, t0 + C)
         c = t1 - t0
         idx = indices[t0:t1].to(torch.int64)
         live = idx >= 0
         rows = torch.where(live, idx + start[t0:t1, None], 0)  # [c, topk]
-        kg = kf.index_select(0, (rows[:, None, :] * N2 + torch.arange(N2, device=dev)[:, None]).view(-1))
-        kg = kg.view(c * N2, topk, D).to(acc)
-        x = torch.bmm(q[t0:t1].to(acc).view(c * N2, G, D), kg.transpose(1, 2)).mul_(scale).view(c, N1, topk)
+        kg = torch.index_select(kf, 0, (rows[:, None, :] * N2 + heads).view(-1),
+                                out=kbuf[:c * N2 * topk * D].view(-1, D)).view(c * N2, topk, D)
+        qs = qbuf[:c * N1 * D].view(c * N2, G, D).copy_(q[t0:t1].reshape(c * N2, G, D)).mul_(scale)
+        x = torch.bmm(qs, kg.transpose(1, 2), out=xbuf[:c * N1 * topk].view(c * N2, G, topk)).view(c, N1, topk)
         x.masked_fill_(~live[:, None, :], float("-inf"))
         mx = x.amax(dim=-1, keepdim=True)
         e = x.sub_(torch.where(mx == float("-inf"), 0.0, mx)).exp_()
         sm = e.sum(dim=-1, keepdim=True)
-        p[t0:t1] = e.mul_(torch.where(sm > 0, 1.0 / sm, 0.0)).mean(dim=1)
+        torch.mean(e.mul_(torch.where(sm > 0, 1.0 / sm, 0.0)), dim=1, out=p[t0:t1])
     return p
 
 

@@ -3,8 +3,13 @@
 Arguments arrive validated (docs/internals.md). Blocks this small make the block tiles of :mod:`.torch_plan` all
 padding, so each query token instead gathers its own ``K * bs`` keys and values (one row per KV head) and every
 product is one batched matmul over the chunk's (token, KV head) rows: ``[G, Dqk] x [Dqk, K*bs]`` for the scores,
-``[G, K*bs] x [K*bs, Dv]`` for ``P V``. Tokens run in chunks sized by :data:`CHUNK_BYTES`, so memory is
-``O(chunk * K * bs)`` above the inputs, never ``O(T^2)``.
+``[G, K*bs] x [K*bs, Dv]`` for ``P V``. Memory is ``O(chunk * K * bs)`` above the inputs, never ``O(T^2)``.
+
+Two levels of chunks (docs/perf.md, "DSA on the CPU"): a *group* of tokens gets its gather rows and visibility
+in one go (:data:`INDEX_BYTES` of int64 rows), and its tokens then run in *chunks* whose gathered keys, values
+and scores take :data:`CHUNK_BYTES`, small enough to stay in the CPU's cache. Every per-chunk tensor lives in
+buffers allocated once per call and written with ``out=``: a fresh tensor per chunk faults its pages in again,
+which costs more than the chunk's matmuls.
 
 The backward adds the gathered rows' dK / dV into the key rows with ``index_add_`` in chunk order (the CPU adds
 in index order: bitwise repeatable); on CUDA the deterministic path uses ``index_put_(accumulate=True)``, which
@@ -18,8 +23,12 @@ import torch
 
 from .._varlen import token_seq_positions
 
-#: bytes of one chunk's work tensors (gathered keys and values, scores and their gradients)
-CHUNK_BYTES = 64 * 2**20
+#: bytes of one chunk's work tensors (gathered keys and values, scores and their gradients) on the CPU
+CHUNK_BYTES = 4 * 2**20
+#: the same on other devices, where a chunk's launches cost more than its cache misses
+DEVICE_CHUNK_BYTES = 64 * 2**20
+#: bytes of one group's gather rows (int64) and visibility
+INDEX_BYTES = 4 * 2**20
 
 _NEG_INF = float("-inf")
 
@@ -34,9 +43,9 @@ def _exp_floor(acc: torch.dtype) -> float:
 
 
 class _Rows:
-    """Per call: each token's key start, sequence length and in-sequence position, and the chunk size."""
+    """Per call: each token's key start, sequence length and in-sequence position, and the chunk sizes."""
 
-    def __init__(self, q, k, v, topk, bs, cu_q, cu_kv, per_key_bytes):
+    def __init__(self, q, k, topk, bs, cu_q, cu_kv, per_key_bytes):
         T1 = q.shape[0]
         dev = q.device
         seq, self.pos = token_seq_positions(cu_q, device=dev)
@@ -47,15 +56,17 @@ class _Rows:
         self.KB = self.K * bs
         self.r = torch.arange(bs, dtype=torch.int64, device=dev)
         self.n2 = torch.arange(self.N2, dtype=torch.int64, device=dev)
-        per_token = self.N2 * self.KB * per_key_bytes
-        self.C = max(1, min(T1, CHUNK_BYTES // max(1, per_token)))
+        budget = CHUNK_BYTES if dev.type == "cpu" else DEVICE_CHUNK_BYTES
+        self.C = max(1, min(T1, budget // max(1, self.N2 * self.KB * per_key_bytes)))
+        per_group = max(self.C, INDEX_BYTES // max(1, self.N2 * self.KB * 9) // self.C * self.C)
+        self.group = min(T1, per_group)
 
-    def chunks(self, T1):
-        return ((t0, min(T1, t0 + self.C)) for t0 in range(0, T1, self.C))
+    def groups(self, T1):
+        return ((g0, min(T1, g0 + self.group)) for g0 in range(0, T1, self.group))
 
     def gather_index(self, topk, t0, t1, causal):
-        """``(rows [C, N2, n]`` int64 rows of the flattened ``[T2 * N2, D]`` keys (0 where invisible),
-        ``vis [C, N2, n]`` bool), ``n <= KB`` the gathered keys up to the last one some row of the chunk sees."""
+        """``(rows [C, N2, KB]`` int64 rows of the flattened ``[T2 * N2, D]`` keys (0 where invisible),
+        ``vis [C, N2, KB]`` bool, ``last [C]`` a list: one past each token's last key some KV head sees)."""
         C = t1 - t0
         idx = topk[t0:t1].to(torch.int64)
         p = (idx[..., None] * self.bs + self.r).view(C, self.N2, self.KB)
@@ -63,24 +74,41 @@ class _Rows:
         if causal:
             vis &= p <= self.pos[t0:t1, None, None]
         rows = (self.kv_start[t0:t1, None, None] + p) * self.N2 + self.n2[:, None]
-        # trailing gathered keys that no row of the chunk sees (the -1 tail of an indexer's sorted selection,
-        # causal rows shorter than K) are dropped: they would only add exact zeros
-        seen = vis.reshape(-1, self.KB).any(dim=0)
-        n = int(seen.nonzero().max()) + 1 if bool(seen.any()) else 1
-        return torch.where(vis, rows, 0)[..., :n].contiguous(), vis[..., :n].contiguous()
+        seen = vis.any(dim=1)  # [C, KB]
+        ar = torch.arange(1, self.KB + 1, device=seen.device)
+        last = torch.where(seen, ar, 0).amax(dim=1).tolist()
+        return torch.where(vis, rows, 0), vis, last
+
+    def chunks(self, g0, g1, last):
+        """``(c0, c1, n)`` chunks of the group (offsets into it) and the gathered keys ``n`` they keep: trailing
+        keys no row of the chunk sees (an indexer's -1 tail, causal rows shorter than K) add only exact zeros."""
+        for c0 in range(0, g1 - g0, self.C):
+            c1 = min(g1 - g0, c0 + self.C)
+            yield c0, c1, max(1, max(last[c0:c1]))
 
 
-def _gather(flat, rows, acc):
-    """``flat[rows]`` as ``[C * N2, KB, D]`` in ``acc``."""
-    C, N2, KB = rows.shape
-    return flat.index_select(0, rows.view(-1)).view(C * N2, KB, -1).to(acc)
+class _Buffers:
+    """Flat work buffers of one call, each viewed per chunk as ``take(name, *shape)``."""
+
+    def __init__(self, dev, acc, **numel):
+        self._b = {name: torch.empty(n, dtype=acc, device=dev) for name, n in numel.items()}
+
+    def take(self, name, *shape):
+        n = 1
+        for s in shape:
+            n *= s
+        return self._b[name][:n].view(*shape)
 
 
-def _scores(q, ks, t0, t1, N2, scale, acc):
-    """``scale * q k^T`` ``[C * N2, G, KB]`` and the chunk's scaled queries ``[C * N2, G, Dqk]``."""
-    C, N1, Dqk = t1 - t0, q.shape[1], q.shape[2]
-    qs = q[t0:t1].to(acc).mul(scale).reshape(C * N2, N1 // N2, Dqk)
-    return torch.bmm(qs, ks.transpose(1, 2)), qs
+def _gather(flat, rows, buf):
+    """``flat[rows]`` into ``buf`` ``[B, n, D]`` (``rows [B, n]``)."""
+    B, n = rows.shape
+    return torch.index_select(flat, 0, rows.reshape(-1), out=buf.view(B * n, -1)).view(B, n, -1)
+
+
+def _scaled(q, t0, t1, scale, buf):
+    """``scale * q[t0:t1]`` in ``buf`` ``[B, G, Dqk]`` (in the accumulation dtype)."""
+    return buf.copy_(q[t0:t1].reshape(buf.shape)).mul_(scale)
 
 
 def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
@@ -88,27 +116,37 @@ def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
     acc = _acc(q)
     T1, N1, Dqk = q.shape
     N2, Dv = k.shape[1], v.shape[2]
-    out = torch.zeros(T1, N1, Dv, dtype=q.dtype, device=q.device)
-    m = torch.zeros(T1, N1, dtype=acc, device=q.device)
-    l = torch.zeros(T1, N1, dtype=acc, device=q.device)
+    G = N1 // N2
+    dev = q.device
+    out = torch.zeros(T1, N1, Dv, dtype=q.dtype, device=dev)
+    m = torch.zeros(T1, N1, dtype=acc, device=dev)
+    l = torch.zeros(T1, N1, dtype=acc, device=dev)
     if T1 == 0 or k.shape[0] == 0:
         return out, m, l
     elt = torch.finfo(acc).bits // 8
-    plan = _Rows(q, k, v, topk, bs, cu_q, cu_kv, (Dqk + Dv + 2 * (N1 // N2) + 2) * elt)
-    kf, vf = k.reshape(-1, Dqk), v.reshape(-1, Dv)
-    for t0, t1 in plan.chunks(T1):
-        C = t1 - t0
-        rows, vis = plan.gather_index(topk, t0, t1, causal)
-        x, _ = _scores(q, _gather(kf, rows, acc), t0, t1, N2, scale, acc)
-        w = vis.view(C * N2, 1, vis.shape[-1]).to(acc)
-        x.clamp_(max=torch.finfo(acc).max).add_(torch.where(w == 0, _NEG_INF, 0.0))
-        mx = torch.amax(x, dim=-1, keepdim=True)
-        mx.masked_fill_(mx == _NEG_INF, 0.0)
-        x.sub_(mx).clamp_(_exp_floor(acc), 80.0).exp_().mul_(w)
-        sm = x.sum(dim=-1, keepdim=True)
-        o = torch.bmm(x, _gather(vf, rows, acc)).mul_(torch.where(sm > 0, 1.0 / sm, 0.0))
-        out[t0:t1] = o.view(C, N1, Dv).to(q.dtype)
-        m[t0:t1], l[t0:t1] = mx.view(C, N1), sm.view(C, N1)
+    plan = _Rows(q, k, topk, bs, cu_q, cu_kv, (Dqk + Dv + 2 * G + 2) * elt)
+    kf, vf = k.reshape(-1, Dqk).to(acc), v.reshape(-1, Dv).to(acc)
+    BK = plan.C * N2 * plan.KB
+    buf = _Buffers(dev, acc, k=BK * Dqk, v=BK * Dv, x=BK * G, q=plan.C * N1 * Dqk, o=plan.C * N1 * Dv)
+    big = torch.finfo(acc).max
+    for g0, g1 in plan.groups(T1):
+        rows_g, vis_g, last = plan.gather_index(topk, g0, g1, causal)
+        for c0, c1, n in plan.chunks(g0, g1, last):
+            t0, t1, C = g0 + c0, g0 + c1, c1 - c0
+            B = C * N2
+            rows, vis = rows_g[c0:c1, :, :n].reshape(B, n), vis_g[c0:c1, :, :n].reshape(B, 1, n)
+            qs = _scaled(q, t0, t1, scale, buf.take("q", B, G, Dqk))
+            ks = _gather(kf, rows, buf.take("k", B, n, Dqk))
+            x = torch.bmm(qs, ks.transpose(1, 2), out=buf.take("x", B, G, n))
+            x.clamp_(max=big).masked_fill_(~vis, _NEG_INF)
+            mx = torch.amax(x, dim=-1, keepdim=True)
+            mx.masked_fill_(mx == _NEG_INF, 0.0)
+            x.sub_(mx).clamp_(_exp_floor(acc), 80.0).exp_().mul_(vis)
+            sm = x.sum(dim=-1, keepdim=True)
+            o = torch.bmm(x, _gather(vf, rows, buf.take("v", B, n, Dv)), out=buf.take("o", B, G, Dv))
+            o.mul_(torch.where(sm > 0, 1.0 / sm, 0.0))
+            out[t0:t1] = o.view(C, N1, Dv)
+            m[t0:t1], l[t0:t1] = mx.view(C, N1), sm.view(C, N1)
     return out, m, l
 
 
@@ -127,29 +165,42 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     T1, N1, Dqk = q.shape
     N2, Dv = k.shape[1], v.shape[2]
     G = N1 // N2
-    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    dev = q.device
+    dq = torch.zeros(q.shape, dtype=q.dtype, device=dev)
     if T1 == 0 or k.shape[0] == 0:
         return dq, torch.zeros_like(k), torch.zeros_like(v)
     elt = torch.finfo(acc).bits // 8
-    plan = _Rows(q, k, v, topk, bs, cu_q, cu_kv, (2 * (Dqk + Dv) + 3 * G + 2) * elt)
-    kf, vf = k.reshape(-1, Dqk), v.reshape(-1, Dv)
-    dkf = torch.zeros(kf.shape, dtype=acc, device=q.device)
-    dvf = torch.zeros(vf.shape, dtype=acc, device=q.device)
-    for t0, t1 in plan.chunks(T1):
-        C = t1 - t0
-        rows, vis = plan.gather_index(topk, t0, t1, causal)
-        ks, vs = _gather(kf, rows, acc), _gather(vf, rows, acc)
-        p, qs = _scores(q, ks, t0, t1, N2, scale, acc)
-        mc = m[t0:t1].to(acc).reshape(C * N2, G, 1)
-        lc = l[t0:t1].to(acc).reshape(C * N2, G, 1)
-        p.sub_(mc).clamp_(_exp_floor(acc), 80.0).exp_()
-        p.mul_(vis.view(C * N2, 1, vis.shape[-1]).to(acc)).mul_(torch.where(lc > 0, 1.0 / lc, 0.0))
-        dy = dout[t0:t1].to(acc).reshape(C * N2, G, Dv)
-        d = (dy * out[t0:t1].to(acc).reshape(C * N2, G, Dv)).sum(dim=-1, keepdim=True)
-        ds = torch.bmm(dy, vs.transpose(1, 2)).sub_(d).mul_(p)
-        dq[t0:t1] = torch.bmm(ds, ks).mul_(scale).view(C, N1, Dqk).to(q.dtype)
-        flat_rows = rows.view(-1)
-        # dK = scale * dS^T Q; qs holds scale * Q already
-        _accumulate(dkf, flat_rows, torch.bmm(ds.transpose(1, 2), qs).view(-1, Dqk), deterministic)
-        _accumulate(dvf, flat_rows, torch.bmm(p.transpose(1, 2), dy).view(-1, Dv), deterministic)
+    plan = _Rows(q, k, topk, bs, cu_q, cu_kv, (2 * (Dqk + Dv) + 3 * G + 2) * elt)
+    kf, vf = k.reshape(-1, Dqk).to(acc), v.reshape(-1, Dv).to(acc)
+    dkf = torch.zeros(kf.shape, dtype=acc, device=dev)
+    dvf = torch.zeros(vf.shape, dtype=acc, device=dev)
+    # D = rowsum(dO * O), the softmax backward's correction, for every row at once
+    dyf = dout.to(acc)
+    delta = (dyf * out.to(acc)).sum(dim=-1)  # [T1, N1]
+    inv_l = torch.where(l > 0, 1.0 / l.to(acc), 0.0)
+    BK = plan.C * N2 * plan.KB
+    buf = _Buffers(dev, acc, k=BK * Dqk, v=BK * Dv, p=BK * G, ds=BK * G, q=plan.C * N1 * Dqk,
+                   dq=plan.C * N1 * Dqk, dk=BK * Dqk, dv=BK * Dv)
+    for g0, g1 in plan.groups(T1):
+        rows_g, vis_g, last = plan.gather_index(topk, g0, g1, causal)
+        for c0, c1, n in plan.chunks(g0, g1, last):
+            t0, t1, C = g0 + c0, g0 + c1, c1 - c0
+            B = C * N2
+            rows, vis = rows_g[c0:c1, :, :n].reshape(B, n), vis_g[c0:c1, :, :n].reshape(B, 1, n)
+            ks, vs = _gather(kf, rows, buf.take("k", B, n, Dqk)), _gather(vf, rows, buf.take("v", B, n, Dv))
+            qs = _scaled(q, t0, t1, scale, buf.take("q", B, G, Dqk))
+            p = torch.bmm(qs, ks.transpose(1, 2), out=buf.take("p", B, G, n))
+            p.sub_(m[t0:t1].reshape(B, G, 1)).clamp_(_exp_floor(acc), 80.0).exp_()
+            p.mul_(vis).mul_(inv_l[t0:t1].reshape(B, G, 1))
+            dy = dyf[t0:t1].reshape(B, G, Dv)
+            ds = torch.bmm(dy, vs.transpose(1, 2), out=buf.take("ds", B, G, n))
+            ds.sub_(delta[t0:t1].reshape(B, G, 1)).mul_(p)
+            dqc = torch.bmm(ds, ks, out=buf.take("dq", B, G, Dqk)).mul_(scale)
+            dq[t0:t1] = dqc.view(C, N1, Dqk)
+            flat_rows = rows.reshape(-1)
+            # dK = scale * dS^T Q; qs holds scale * Q already
+            dkc = torch.bmm(ds.transpose(1, 2), qs, out=buf.take("dk", B, n, Dqk))
+            _accumulate(dkf, flat_rows, dkc.view(-1, Dqk), deterministic)
+            dvc = torch.bmm(p.transpose(1, 2), dy, out=buf.take("dv", B, n, Dv))
+            _accumulate(dvf, flat_rows, dvc.view(-1, Dv), deterministic)
     return dq, dkf.view(k.shape).to(k.dtype), dvf.view(v.shape).to(v.dtype)
