@@ -29,21 +29,26 @@ def _exact_topk(sc: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(positions int64 [C, k], values [C, k])`` of each row's ``k`` largest entries, in descending value, ties
     to the smaller position (``-inf`` entries last, in position order)."""
     vk = sc.topk(k, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
-    above = sc > vk
-    tie = sc == vk
-    need = k - above.sum(dim=1, keepdim=True)
-    take = above | (tie & (tie.cumsum(dim=1) <= need))
+    take = sc >= vk
+    if not bool((take.sum(dim=1) == k).all()):  # a row with more than k keys at or above its k-th value: ties
+        above = sc > vk
+        tie = sc == vk
+        need = k - above.sum(dim=1, keepdim=True)
+        take = above | (tie & (tie.cumsum(dim=1) <= need))
     pos = take.nonzero()[:, 1].view(sc.shape[0], k)  # row-major: each row's positions ascending
     val = sc.gather(1, pos)
     val, order = val.sort(dim=1, descending=True, stable=True)
     return pos.gather(1, order), val
 
 
-def _chunk_scores(q, k, w, acc):
-    """``w . relu(q k^T)``: ``q [C, Hi, Di]``, ``k [S, Di]``, ``w [C, Hi]`` -> ``[C, S]`` in ``acc``."""
+def _chunk_scores(q, k, w, acc, dots_buf, sc_buf):
+    """``w . relu(q k^T)``: ``q [C, Hi, Di]``, ``k [S, Di]``, ``w [C, Hi]`` -> ``[C, S]`` in ``acc``, written into
+    the call's flat buffers (a fresh tensor per chunk faults its pages in)."""
     C, Hi, Di = q.shape
-    dots = torch.relu_(q.reshape(C * Hi, Di).to(acc) @ k.to(acc).T).view(C, Hi, -1)
-    return torch.bmm(w.to(acc).view(C, 1, Hi), dots).view(C, -1)
+    S = k.shape[0]
+    dots = torch.mm(q.reshape(C * Hi, Di).to(acc), k.to(acc).T, out=dots_buf[:C * Hi * S].view(C * Hi, S))
+    dots = dots.relu_().view(C, Hi, S)
+    return torch.bmm(w.to(acc).view(C, 1, Hi), dots, out=sc_buf[:C * S].view(C, 1, S)).view(C, S)
 
 
 def _select(q_idx, k_idx, weights, topk, cu, causal):
@@ -60,13 +65,16 @@ def _select(q_idx, k_idx, weights, topk, cu, causal):
             continue
         # per query row: Hi + 1 score rows and the int64 tie count
         C = max(1, min(S, CHUNK_BYTES // ((Hi + 2) * elt + 8) // S))
+        dots_buf = torch.empty(C * Hi * S, dtype=acc, device=dev)
+        sc_buf = torch.empty(C * S, dtype=acc, device=dev)
         for c0 in range(0, S, C):
             c1 = min(S, c0 + C)
             nk = c1 if causal else S
-            sc = _chunk_scores(q_idx[s0 + c0:s0 + c1], k_idx[s0:s0 + nk], weights[s0 + c0:s0 + c1], acc)
-            if causal:
-                later = torch.arange(nk, device=dev)[None, :] > torch.arange(c0, c1, device=dev)[:, None]
-                sc.masked_fill_(later, _NEG_INF)
+            sc = _chunk_scores(q_idx[s0 + c0:s0 + c1], k_idx[s0:s0 + nk], weights[s0 + c0:s0 + c1], acc,
+                               dots_buf, sc_buf)
+            if causal:  # only the chunk's own last keys lie after some of its queries
+                later = torch.ones(c1 - c0, c1 - c0, dtype=torch.bool, device=dev).triu_(1)
+                sc[:, c0:c1].masked_fill_(later, _NEG_INF)
             kk = min(topk, nk)
             pos, val = _exact_topk(sc, kk)
             dead = val == _NEG_INF

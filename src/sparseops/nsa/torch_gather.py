@@ -24,7 +24,7 @@ import torch
 from .._varlen import token_seq_positions
 
 #: bytes of one chunk's work tensors (gathered keys and values, scores and their gradients) on the CPU
-CHUNK_BYTES = 4 * 2**20
+CHUNK_BYTES = 8 * 2**20
 #: the same on other devices, where a chunk's launches cost more than its cache misses
 DEVICE_CHUNK_BYTES = 64 * 2**20
 #: bytes of one group's gather rows (int64) and visibility
@@ -106,11 +106,6 @@ def _gather(flat, rows, buf):
     return torch.index_select(flat, 0, rows.reshape(-1), out=buf.view(B * n, -1)).view(B, n, -1)
 
 
-def _scaled(q, t0, t1, scale, buf):
-    """``scale * q[t0:t1]`` in ``buf`` ``[B, G, Dqk]`` (in the accumulation dtype)."""
-    return buf.copy_(q[t0:t1].reshape(buf.shape)).mul_(scale)
-
-
 def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
     """``(out [T1, N1, Dv]`` in q's dtype, ``m [T1, N1]``, ``l [T1, N1])`` (fp32, float64 for float64)."""
     acc = _acc(q)
@@ -126,8 +121,9 @@ def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
     elt = torch.finfo(acc).bits // 8
     plan = _Rows(q, k, topk, bs, cu_q, cu_kv, (Dqk + Dv + 2 * G + 2) * elt)
     kf, vf = k.reshape(-1, Dqk).to(acc), v.reshape(-1, Dv).to(acc)
+    qa = torch.mul(q.to(acc), scale).contiguous()
     BK = plan.C * N2 * plan.KB
-    buf = _Buffers(dev, acc, k=BK * Dqk, v=BK * Dv, x=BK * G, q=plan.C * N1 * Dqk, o=plan.C * N1 * Dv)
+    buf = _Buffers(dev, acc, k=BK * Dqk, v=BK * Dv, x=BK * G, o=plan.C * N1 * Dv)
     big = torch.finfo(acc).max
     for g0, g1 in plan.groups(T1):
         rows_g, vis_g, last = plan.gather_index(topk, g0, g1, causal)
@@ -135,7 +131,7 @@ def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
             t0, t1, C = g0 + c0, g0 + c1, c1 - c0
             B = C * N2
             rows, vis = rows_g[c0:c1, :, :n].reshape(B, n), vis_g[c0:c1, :, :n].reshape(B, 1, n)
-            qs = _scaled(q, t0, t1, scale, buf.take("q", B, G, Dqk))
+            qs = qa[t0:t1].view(B, G, Dqk)
             ks = _gather(kf, rows, buf.take("k", B, n, Dqk))
             x = torch.bmm(qs, ks.transpose(1, 2), out=buf.take("x", B, G, n))
             x.clamp_(max=big).masked_fill_(~vis, _NEG_INF)
@@ -172,6 +168,7 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     elt = torch.finfo(acc).bits // 8
     plan = _Rows(q, k, topk, bs, cu_q, cu_kv, (2 * (Dqk + Dv) + 3 * G + 2) * elt)
     kf, vf = k.reshape(-1, Dqk).to(acc), v.reshape(-1, Dv).to(acc)
+    qa = torch.mul(q.to(acc), scale).contiguous()
     dkf = torch.zeros(kf.shape, dtype=acc, device=dev)
     dvf = torch.zeros(vf.shape, dtype=acc, device=dev)
     # D = rowsum(dO * O), the softmax backward's correction, for every row at once
@@ -179,7 +176,7 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     delta = (dyf * out.to(acc)).sum(dim=-1)  # [T1, N1]
     inv_l = torch.where(l > 0, 1.0 / l.to(acc), 0.0)
     BK = plan.C * N2 * plan.KB
-    buf = _Buffers(dev, acc, k=BK * Dqk, v=BK * Dv, p=BK * G, ds=BK * G, q=plan.C * N1 * Dqk,
+    buf = _Buffers(dev, acc, k=BK * Dqk, v=BK * Dv, p=BK * G, ds=BK * G,
                    dq=plan.C * N1 * Dqk, dk=BK * Dqk, dv=BK * Dv)
     for g0, g1 in plan.groups(T1):
         rows_g, vis_g, last = plan.gather_index(topk, g0, g1, causal)
@@ -188,7 +185,7 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
             B = C * N2
             rows, vis = rows_g[c0:c1, :, :n].reshape(B, n), vis_g[c0:c1, :, :n].reshape(B, 1, n)
             ks, vs = _gather(kf, rows, buf.take("k", B, n, Dqk)), _gather(vf, rows, buf.take("v", B, n, Dv))
-            qs = _scaled(q, t0, t1, scale, buf.take("q", B, G, Dqk))
+            qs = qa[t0:t1].view(B, G, Dqk)
             p = torch.bmm(qs, ks.transpose(1, 2), out=buf.take("p", B, G, n))
             p.sub_(m[t0:t1].reshape(B, G, 1)).clamp_(_exp_floor(acc), 80.0).exp_()
             p.mul_(vis).mul_(inv_l[t0:t1].reshape(B, G, 1))
