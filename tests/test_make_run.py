@@ -67,7 +67,7 @@ def test_make_run_step(step, tmp_path):
     assert r.returncode == 0, text[-4000:]
     assert "FAILED" not in r.stdout, text[-4000:]
     if step.startswith("sparseops bench"):
-        for name in ("moe", "nsa", "moe_layer", "nsa_module"):
+        for name in ("moe", "nsa", "moe_layer", "nsa_module", "dsa"):
             assert f"== benchmarks/{name}.py --smoke" in r.stdout and f"({name} took" in r.stdout, text[-4000:]
         assert "EP = 2 (gloo" in r.stdout  # the moe_layer EP section ran in spawned processes
         assert "[moe" in r.stderr and "correctness gate" in r.stderr  # each stage named as it starts

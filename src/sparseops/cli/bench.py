@@ -24,7 +24,7 @@ HELP = "side-by-side benchmarks vs the peers (needs a source checkout: its bench
 
 #: the benchmark subjects: ``benchmarks/<subject>.py``, each with ``main(argv=None) -> int`` that accepts
 #: ``--quick``, ``--smoke`` and ``--out DIR`` (``benchmarks/_common.make_parser`` gives all three)
-SUBJECTS = ("moe", "nsa", "moe_layer", "nsa_module")
+SUBJECTS = ("moe", "nsa", "moe_layer", "nsa_module", "dsa")
 
 #: where a run's results go by default, relative to the working directory (in .gitignore)
 DEFAULT_OUT = "sparseops-results"
