@@ -174,7 +174,8 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     # D = rowsum(dO * O), the softmax backward's correction, for every row at once
     dyf = dout.to(acc)
     delta = (dyf * out.to(acc)).sum(dim=-1)  # [T1, N1]
-    inv_l = torch.where(l > 0, 1.0 / l.to(acc), 0.0)
+    # P = exp(S - m) / l = exp(S - (m + log l)): one pass fewer per chunk (a row with l = 0 sees no key: vis = 0)
+    lse = torch.where(l > 0, m.to(acc) + torch.log(torch.where(l > 0, l.to(acc), 1.0)), 0.0)
     BK = plan.C * N2 * plan.KB
     buf = _Buffers(dev, acc, k=BK * Dqk, v=BK * Dv, p=BK * G, ds=BK * G,
                    dq=plan.C * N1 * Dqk, dk=BK * Dqk, dv=BK * Dv)
@@ -187,8 +188,7 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
             ks, vs = _gather(kf, rows, buf.take("k", B, n, Dqk)), _gather(vf, rows, buf.take("v", B, n, Dv))
             qs = qa[t0:t1].view(B, G, Dqk)
             p = torch.bmm(qs, ks.transpose(1, 2), out=buf.take("p", B, G, n))
-            p.sub_(m[t0:t1].reshape(B, G, 1)).clamp_(_exp_floor(acc), 80.0).exp_()
-            p.mul_(vis).mul_(inv_l[t0:t1].reshape(B, G, 1))
+            p.sub_(lse[t0:t1].reshape(B, G, 1)).clamp_(_exp_floor(acc), 80.0).exp_().mul_(vis)
             dy = dyf[t0:t1].reshape(B, G, Dv)
             ds = torch.bmm(dy, vs.transpose(1, 2), out=buf.take("ds", B, G, n))
             ds.sub_(delta[t0:t1].reshape(B, G, 1)).mul_(p)
