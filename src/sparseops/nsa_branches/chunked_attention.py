@@ -163,8 +163,9 @@ def attention_backward(q, k, v, o, lse, do, chunks, kstep, span, scale):
     n2 = k.shape[1]
     cdt = stats_dtype(q.dtype)
     dq = torch.zeros_like(q)
-    dk = torch.zeros(k.shape, dtype=cdt, device=k.device)
-    dv = torch.zeros(v.shape, dtype=cdt, device=v.device)
+    # [N2, T, D]: the chunks' dK, dV are added in place by baddbmm_ (no per-chunk product and add)
+    dk = torch.zeros((n2, k.shape[0], k.shape[2]), dtype=cdt, device=k.device)
+    dv = torch.zeros((n2, v.shape[0], v.shape[2]), dtype=cdt, device=v.device)
     delta = (do.to(cdt) * o.to(cdt)).sum(-1)
     lse_safe = torch.where(lse == float("-inf"), float("inf"), lse)
     floor = _exp_floor(cdt)
@@ -181,9 +182,9 @@ def attention_backward(q, k, v, o, lse, do, chunks, kstep, span, scale):
         ds = dp.sub_(delta[q0:q1].view(tq, n2, -1).transpose(0, 1)[..., None]).mul_(p).view(n2, -1, tk)
         p = p.view(n2, -1, tk)
         dq[q0:q1] = (_tokens_first(torch.bmm(ds, kc.transpose(0, 1)), tq) * scale).to(dq.dtype)
-        dk[k0:k1] += torch.bmm(ds.transpose(1, 2), qh).transpose(0, 1)
-        dv[k0:k1] += torch.bmm(p.transpose(1, 2), doh).transpose(0, 1)
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+        dk[:, k0:k1].baddbmm_(ds.transpose(1, 2), qh)
+        dv[:, k0:k1].baddbmm_(p.transpose(1, 2), doh)
+    return dq, dk.transpose(0, 1).to(k.dtype).contiguous(), dv.transpose(0, 1).to(v.dtype).contiguous()
 
 
 def _plan(q, k, cu, cu_k, l, d, window):
