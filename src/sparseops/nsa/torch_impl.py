@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..nsa_branches.chunked_attention import row_dot
 from . import torch_gather
 from .torch_plan import SETTINGS, NsaTorchSettings, Plan
 
@@ -313,7 +314,7 @@ def _backward_global(job, q, dout, out, m, l, kb, vb, scale, acc, dq, dkb, dvb, 
     # [T1*N2, G*2]: per row the log-sum-exp m + log(l) (0 where l = 0: such a row has no visible key, its
     # weights are 0) and D = rowsum(dY * O)
     lse = torch.where(l > 0, m.to(acc) + torch.log(l.to(acc)), 0.0)
-    stats = torch.stack([lse, (dout.to(acc) * out.to(acc)).sum(dim=-1)], dim=-1).view(T1 * N2, G * 2)
+    stats = torch.stack([lse, row_dot(dout, out, acc)], dim=-1).view(T1 * N2, G * 2)
     dqa = torch.zeros(job.n_acc + 1, G * Dqk, dtype=acc, device=q.device)  # over the rows of job.tok
     for b in job.batches(per_tile, p.knobs.chunk_bytes):
         # Q unscaled: the scale enters the scores' matmul and the small dK per tile, not a pass over Q

@@ -73,6 +73,16 @@ def compressed_chunks(cu: list[int], cu_cmp: list[int], l: int, d: int, n1: int,
     return chunks
 
 
+def row_dot(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, rows: int = 512) -> torch.Tensor:
+    """``(a * b).sum(-1)`` in ``dtype`` for ``[T, ...]`` tensors, by slices of ``rows`` tokens: the same sums
+    (each row is reduced whole, in the same order), without a full-size product tensor, whose fresh pages cost
+    more than the product (2.6x the time at ``[16384, 16, 128]``)."""
+    out = torch.empty(a.shape[:-1], dtype=dtype, device=a.device)
+    for i in range(0, a.shape[0], rows):
+        torch.sum(a[i:i + rows].to(dtype) * b[i:i + rows].to(dtype), dim=-1, out=out[i:i + rows])
+    return out
+
+
 def _heads_first(x: torch.Tensor, n2: int) -> torch.Tensor:
     """``[Tq, N1, D]`` -> ``[N2, Tq*G, D]`` (query head ``n2*G + g`` of token t at row ``t*G + g``)."""
     Tq, N1, D = x.shape
@@ -166,7 +176,7 @@ def attention_backward(q, k, v, o, lse, do, chunks, kstep, span, scale):
     # [N2, T, D]: the chunks' dK, dV are added in place by baddbmm_ (no per-chunk product and add)
     dk = torch.zeros((n2, k.shape[0], k.shape[2]), dtype=cdt, device=k.device)
     dv = torch.zeros((n2, v.shape[0], v.shape[2]), dtype=cdt, device=v.device)
-    delta = (do.to(cdt) * o.to(cdt)).sum(-1)
+    delta = row_dot(do, o, cdt)
     lse_safe = torch.where(lse == float("-inf"), float("inf"), lse)
     floor = _exp_floor(cdt)
     for chunk in chunks:
