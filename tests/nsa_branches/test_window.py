@@ -24,13 +24,18 @@ def _inputs(cu, N1, N2, Dqk, Dv, dtype=torch.float64, seed=0):
             for n, D in ((N1, Dqk), (N2, Dqk), (N2, Dv))]
 
 
-@pytest.mark.parametrize("small_chunks", [False, True], ids=["one-chunk", "many-chunks"])
+# (chunk_bytes, window_rows): one chunk per sequence; chunks of 5 tokens (a band with keys every query sees
+# between the two masked edges when w > 5); chunks of one token
+CHUNKINGS = {"one-chunk": (16 << 20, 256), "mid-chunks": (16 << 20, 5), "many-chunks": (1, 3)}
+
+
+@pytest.mark.parametrize("chunking", list(CHUNKINGS))
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_float64_forward_backward(case, small_chunks):
+def test_float64_forward_backward(case, chunking):
     _, cu, N1, N2, Dqk, Dv, w = case
     q, k, v = _inputs(cu, N1, N2, Dqk, Dv)
-    with chunked_attention.SETTINGS.override(chunk_bytes=1 if small_chunks else 16 << 20,
-                                             window_rows=3 if small_chunks else 256):
+    chunk_bytes, rows = CHUNKINGS[chunking]
+    with chunked_attention.SETTINGS.override(chunk_bytes=chunk_bytes, window_rows=rows):
         o = sliding_window_attention(q, k, v, torch.tensor(cu, dtype=torch.int32), w)
         do = torch.randn_like(o)
         grads = torch.autograd.grad(o, (q, k, v), do)
@@ -47,6 +52,25 @@ def test_low_precision_forward(dtype):
     o = sliding_window_attention(q, k, v, [0, 30, 64], 9)
     assert o.dtype == dtype
     assert_close(o, reference.sliding_window_attention(q, k, v, [0, 30, 64], 9, 0.25), dtype=dtype)
+
+
+@pytest.mark.parametrize("chunking", list(CHUNKINGS))
+def test_float32_extreme_scores(chunking):
+    # scores of std ~40: a hidden key's exp(s - max) overflows, visible keys' underflow; the masked edges are
+    # clamped before exp and zeroed after, so neither an inf nor a NaN reaches the result
+    q, k, v = _inputs([0, 40], 4, 1, 8, 8)
+    q = (q.detach() * 40).requires_grad_()
+    chunk_bytes, rows = CHUNKINGS[chunking]
+    x = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    with chunked_attention.SETTINGS.override(chunk_bytes=chunk_bytes, window_rows=rows):
+        o = sliding_window_attention(*x, None, 9)
+        do = torch.randn_like(o)
+        grads = torch.autograd.grad(o, x, do)
+    o_ref = reference.sliding_window_attention(q, k, v, [0, 40], 9, 8 ** -0.5)
+    ref_grads = torch.autograd.grad(o_ref, (q, k, v), do.double())
+    assert_close(o, o_ref, name="o", dtype=torch.float32)
+    for name, a, e in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(a, e, name=name, dtype=torch.float32)
 
 
 def test_gradcheck():

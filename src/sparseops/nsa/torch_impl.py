@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..nsa_branches.chunked_attention import row_dot
 from . import torch_gather
 from .torch_plan import SETTINGS, NsaTorchSettings, Plan
 
@@ -81,34 +82,56 @@ def _exp_floor(acc: torch.dtype) -> float:
     return -80.0 if acc == torch.float32 else -700.0
 
 
+def _zero_hidden_(x, part):
+    """``x [R, G, 1, BS]`` <- 0 on the invisible keys of the partial rows ``part`` (:meth:`TileBatch.partial_rows`;
+    None: none). Their other rows went through ``exp`` unmasked, clamped to ``[floor, 80]``: finite."""
+    if part is not None:
+        rows, w = part
+        x.index_copy_(0, rows, x.index_select(0, rows).mul_(w))
+
+
 def _forward_global(job, q, kb, vb, scale, acc, out, m, l):
     """Writes ``out``, ``m``, ``l`` of ``job.tok`` from global tiles, in two passes over the tiles: each tile
     row's max, then (with each token's max over its slots) the probabilities, their sums and ``P V``, added into
-    the token's row in tile order."""
+    the token's row in tile order. The invisible keys are masked in the few partial rows only."""
     p, M = job.plan, job.M
     T1, N1, Dqk = q.shape
     G, N2, bs, Dv = p.G, p.N2, p.bs, vb.shape[-1]
     elt = torch.finfo(acc).bits // 8
     per_tile = (M * G * (Dqk + Dv + bs) + bs * (Dqk + Dv + M)) * elt
     batches = job.batches(per_tile, p.knobs.chunk_bytes)
+    parts = [b.partial_rows(acc) for b in batches]
     qf = q.reshape(T1 * N2, G * Dqk)
+
+    def scores(b):
+        # the scale enters the matmul, not a pass over the gathered queries
+        qt = b.rows(qf, acc)
+        return torch.baddbmm(qt.new_empty(()), qt, b.gather(kb).transpose(1, 2), beta=0.0, alpha=scale)
+
     smax = torch.full((job.NT * M + 1, G), _NEG_INF, dtype=acc, device=q.device)
     i0 = 0
-    for b in batches:
-        s = torch.bmm(b.rows(qf, acc).mul_(scale), b.gather(kb).transpose(1, 2))
-        _masked_max(s.view(b.R, G, 1, bs), b.weight(acc), smax[i0:i0 + b.R].view(b.R, G, 1, 1))
+    for b, part in zip(batches, parts):
+        s = scores(b).view(b.R, G, 1, bs)
+        rmax = smax[i0:i0 + b.R].view(b.R, G, 1, 1)
+        torch.amax(s, dim=-1, keepdim=True, out=rmax)
+        if part is not None:
+            rows, w = part
+            rmax.index_copy_(0, rows, torch.amax(_mask_(s.index_select(0, rows), w), dim=-1, keepdim=True))
         i0 += b.R
+    # a score that overflowed to +inf counts as the largest finite value (as in :func:`_mask_`)
+    smax.clamp_(max=torch.finfo(acc).max)
     # [T1*N2, G]: the token's max over its slots; 0 when it has none
     mt = torch.nn.functional.embedding(job.slot_row, smax).view(T1 * N2, p.K, G).amax(dim=1)
     mt = torch.where(mt == _NEG_INF, 0.0, mt)
     # the sums, over the rows of job.tok (and one padding row)
     o = torch.zeros(job.n_acc + 1, G * Dv, dtype=acc, device=q.device)
     lt = torch.zeros(job.n_acc + 1, G, dtype=acc, device=q.device)
-    for b in batches:
-        s = torch.bmm(b.rows(qf, acc).mul_(scale), b.gather(kb).transpose(1, 2))
-        ssum = s.new_empty((b.R, G, 1, 1))
-        _probs(s.view(b.R, G, 1, bs), b.weight(acc), b.rows(mt, acc).view(b.R, G, 1, 1), None, acc, sum_out=ssum)
-        lt.index_add_(0, b.row_acc, ssum.view(b.R, G))
+    for b, part in zip(batches, parts):
+        s = scores(b)
+        s4 = s.view(b.R, G, 1, bs)
+        _probs(s4, None, b.rows(mt, acc).view(b.R, G, 1, 1), None, acc)
+        _zero_hidden_(s4, part)
+        lt.index_add_(0, b.row_acc, s4.sum(dim=-1).view(b.R, G))
         o.index_add_(0, b.row_acc, torch.bmm(s, b.gather(vb)).view(b.R, G * Dv))
     o[:-1].view(-1, G, Dv).mul_(torch.where(lt[:-1] > 0, 1.0 / lt[:-1], 0.0)[..., None])
     job.write(out, o)
@@ -291,7 +314,7 @@ def _backward_global(job, q, dout, out, m, l, kb, vb, scale, acc, dq, dkb, dvb, 
     # [T1*N2, G*2]: per row the log-sum-exp m + log(l) (0 where l = 0: such a row has no visible key, its
     # weights are 0) and D = rowsum(dY * O)
     lse = torch.where(l > 0, m.to(acc) + torch.log(l.to(acc)), 0.0)
-    stats = torch.stack([lse, (dout.to(acc) * out.to(acc)).sum(dim=-1)], dim=-1).view(T1 * N2, G * 2)
+    stats = torch.stack([lse, row_dot(dout, out, acc)], dim=-1).view(T1 * N2, G * 2)
     dqa = torch.zeros(job.n_acc + 1, G * Dqk, dtype=acc, device=q.device)  # over the rows of job.tok
     for b in job.batches(per_tile, p.knobs.chunk_bytes):
         # Q unscaled: the scale enters the scores' matmul and the small dK per tile, not a pass over Q
@@ -300,7 +323,8 @@ def _backward_global(job, q, dout, out, m, l, kb, vb, scale, acc, dq, dkb, dvb, 
         ks, vs = b.gather(kb), b.gather(vb)
         pr = torch.baddbmm(qt.new_empty(()), qt, ks.transpose(1, 2), beta=0.0, alpha=scale)
         # P = exp(S - lse): the normalisation is in the exponent, not a further pass
-        _probs(pr.view(b.R, G, 1, bs), b.weight(acc), st[..., 0, None, None], None, acc)
+        _probs(pr.view(b.R, G, 1, bs), None, st[..., 0, None, None], None, acc)
+        _zero_hidden_(pr.view(b.R, G, 1, bs), b.partial_rows(acc))
         ds = _dsoftmax(torch.bmm(dyt, vs.transpose(1, 2)), st[..., 1].reshape(b.n, M * G, 1), pr)
         dqa.index_add_(0, b.row_acc, torch.bmm(ds, ks).view(b.R, G * Dqk))
         _accumulate(dkb, b.tile_blk, torch.bmm(ds.transpose(1, 2), qt).mul_(scale), deterministic)

@@ -174,10 +174,17 @@ class TileBatch:
         y.index_fill_(0, pad, 0.0)
         return y.view(self.n, self.job.M * p.G, -1)
 
-    def weight(self, acc):
-        """``[R, 1, 1, BS]`` key visibility of the batch's rows in ``acc`` (a padding row sees what the last token
-        does: its queries and dY are 0, its results land in the extra row)."""
+    def partial_rows(self, acc):
+        """``(rows [P], weight [P, 1, 1, BS])``: the batch's rows that do not see every key of their block (the
+        block holding the token's own position, or past its sequence's end) and their key visibility in ``acc``;
+        None when every row sees all. Few rows are partial (one slot per token, the local block), so the masks
+        are applied to these rows only, not in passes over the whole batch. A padding row sees what the last
+        token does: its queries and dY are 0, its results land in the extra row."""
         p, M, bs = self.job.plan, self.job.M, self.job.plan.bs
         tok = self.row_tok.clamp(max=p.T1 * p.N2 - 1) // p.N2
         kpos = (self.tile_blk.repeat_interleave(M) % p.NB)[:, None] * bs + torch.arange(bs, device=tok.device)
-        return (kpos < p.key_bound(tok)[:, None]).to(acc).view(-1, 1, 1, bs)
+        vis = kpos < p.key_bound(tok)[:, None]
+        rows = (~vis.all(-1)).nonzero()[:, 0]
+        if rows.numel() == 0:
+            return None
+        return rows, vis[rows].to(acc).view(-1, 1, 1, bs)

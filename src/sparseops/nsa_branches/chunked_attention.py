@@ -25,9 +25,12 @@ from .checks import stats_dtype
 class ChunkSettings:
     #: bytes of one chunk's score tensor; the backward holds about three of them
     chunk_bytes: int = 16 << 20
-    #: most query rows per window chunk: a chunk computes ``rows + w - 1`` keys for ``w`` useful ones, so
+    #: most query tokens per window chunk: a chunk computes ``rows + w - 1`` keys for ``w`` useful ones, so
     #: smaller chunks waste less, larger ones make larger matmuls
     window_rows: int = 256
+    #: and at most this many matmul rows (tokens x G query heads of a KV head): with G = 16, chunks of 64
+    #: tokens still make 1024-row matmuls and waste 12 % of the keys instead of 50 %
+    window_matrix_rows: int = 1024
 
 
 SETTINGS = Settings(ChunkSettings())
@@ -37,10 +40,12 @@ SETTINGS = Settings(ChunkSettings())
 Chunk = tuple[int, int, int, int, int, int]
 
 
-def window_chunks(cu: list[int], window: int, n1: int, elt: int) -> list[Chunk]:
-    """Chunks of the sliding window: a chunk of positions ``[p0, p1)`` sees keys ``[max(0, p0 - w + 1), p1)``."""
+def window_chunks(cu: list[int], window: int, n1: int, elt: int, g: int = 1) -> list[Chunk]:
+    """Chunks of the sliding window: a chunk of positions ``[p0, p1)`` sees keys ``[max(0, p0 - w + 1), p1)``;
+    ``g`` query heads per KV head."""
     cfg = SETTINGS.get()
-    rows = max(1, min(cfg.window_rows, cfg.chunk_bytes // max(1, n1 * elt * (cfg.window_rows + window - 1))))
+    cap = max(1, min(cfg.window_rows, cfg.window_matrix_rows // g))
+    rows = max(1, min(cap, cfg.chunk_bytes // max(1, n1 * elt * (cap + window - 1))))
     chunks = []
     for b in range(len(cu) - 1):
         s, L = cu[b], cu[b + 1] - cu[b]
@@ -68,6 +73,16 @@ def compressed_chunks(cu: list[int], cu_cmp: list[int], l: int, d: int, n1: int,
     return chunks
 
 
+def row_dot(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, rows: int = 512) -> torch.Tensor:
+    """``(a * b).sum(-1)`` in ``dtype`` for ``[T, ...]`` tensors, by slices of ``rows`` tokens: the same sums
+    (each row is reduced whole, in the same order), without a full-size product tensor, whose fresh pages cost
+    more than the product (2.6x the time at ``[16384, 16, 128]``)."""
+    out = torch.empty(a.shape[:-1], dtype=dtype, device=a.device)
+    for i in range(0, a.shape[0], rows):
+        torch.sum(a[i:i + rows].to(dtype) * b[i:i + rows].to(dtype), dim=-1, out=out[i:i + rows])
+    return out
+
+
 def _heads_first(x: torch.Tensor, n2: int) -> torch.Tensor:
     """``[Tq, N1, D]`` -> ``[N2, Tq*G, D]`` (query head ``n2*G + g`` of token t at row ``t*G + g``)."""
     Tq, N1, D = x.shape
@@ -80,18 +95,50 @@ def _tokens_first(x: torch.Tensor, tq: int) -> torch.Tensor:
     return x.view(n2, tq, -1, D).transpose(0, 1).reshape(tq, -1, D)
 
 
-def _masked_scores(qh, kc, chunk, kstep, span, tq):
-    """Scaled scores ``[N2, Tq, G, Tk]`` with invisible keys at ``-inf``."""
+def _edges(chunk, kstep, span, tq, dev):
+    """``[(c0, c1, hidden [Tq, c1 - c0])]``: the key columns some query of the chunk does not see, and which.
+
+    Column ``r`` (key position ``kp = kstart + r * kstep``) is seen by every query of positions ``[p0, p0 + Tq)``
+    iff ``p0 + Tq - 1 - span < kp <= p0``; the others lie in at most two ranges, before (the window's older
+    keys) and after (the causal triangle). Only those are masked: for the window they are ``2 * Tq`` of
+    ``Tq + w - 1`` columns, for the compressed blocks the last ``Tq / d``."""
     _, _, k0, k1, qpos0, kstart = chunk
-    n2 = kc.shape[1]
-    s = torch.bmm(qh, kc.permute(1, 2, 0)).view(n2, tq, -1, k1 - k0)
-    dev = qh.device
-    diff = (torch.arange(qpos0, qpos0 + tq, device=dev)[:, None]
-            - torch.arange(kstart, kstart + (k1 - k0) * kstep, kstep, device=dev)[None, :])
-    hidden = diff < 0
-    if span is not None:
-        hidden |= diff >= span
-    return s.masked_fill_(hidden[None, :, None, :], float("-inf"))
+    tk = k1 - k0
+    hi = min(tk, max(0, (qpos0 - kstart) // kstep + 1))
+    lo = 0 if span is None else min(hi, max(0, (qpos0 + tq - 1 - span - kstart) // kstep + 1))
+    out = []
+    for c0, c1 in ((0, lo), (hi, tk)):
+        if c1 > c0:
+            diff = (torch.arange(qpos0, qpos0 + tq, device=dev)[:, None]
+                    - torch.arange(kstart + c0 * kstep, kstart + c1 * kstep, kstep, device=dev)[None, :])
+            hidden = diff < 0
+            if span is not None:
+                hidden |= diff >= span
+            out.append((c0, c1, hidden[None, :, None, :]))
+    return out
+
+
+def _exp_(s, edges, floor):
+    """``s`` <- ``exp(s)``, 0 on the hidden keys of ``edges``. The edge columns are clamped to ``[floor, 80]``
+    first: ``exp`` of -inf or of anything that underflows takes a slow path on x86 CPUs (10-40x), and their
+    hidden keys may hold any value, as they are set to 0 after."""
+    for c0, c1, _ in edges:
+        s[..., c0:c1].clamp_(floor, 80.0)
+    s.exp_()
+    for c0, c1, hidden in edges:
+        s[..., c0:c1].masked_fill_(hidden, 0.0)
+    return s
+
+
+def _scores(qh, kc, chunk, tq):
+    """Scaled scores ``[N2, Tq, G, Tk]``, every key included."""
+    _, _, k0, k1, _, _ = chunk
+    return torch.bmm(qh, kc.permute(1, 2, 0)).view(kc.shape[1], tq, -1, k1 - k0)
+
+
+def _exp_floor(dtype):
+    # exp() below ~-87.3 is an fp32 denormal or 0; e^-80 is negligible next to the row's max term
+    return -700.0 if dtype == torch.float64 else -80.0
 
 
 def attention_forward(q, k, v, chunks, kstep, span, scale):
@@ -101,14 +148,18 @@ def attention_forward(q, k, v, chunks, kstep, span, scale):
     cdt = stats_dtype(q.dtype)
     o = q.new_zeros((T, N1, Dv))
     lse = q.new_full((T, N1), float("-inf"), dtype=cdt)
+    floor = _exp_floor(cdt)
     for chunk in chunks:
         q0, q1, k0, k1 = chunk[:4]
         tq = q1 - q0
         qh = _heads_first(q[q0:q1].to(cdt), n2) * scale
-        s = _masked_scores(qh, k[k0:k1].to(cdt), chunk, kstep, span, tq)
+        s = _scores(qh, k[k0:k1].to(cdt), chunk, tq)
+        edges = _edges(chunk, kstep, span, tq, q.device)
+        for c0, c1, hidden in edges:
+            s[..., c0:c1].masked_fill_(hidden, float("-inf"))
         m = s.amax(-1, keepdim=True)
         m = torch.where(m == float("-inf"), 0.0, m)
-        p = s.sub_(m).exp_()
+        p = _exp_(s.sub_(m), edges, floor)
         den = p.sum(-1)
         oc = torch.bmm(p.view(n2, tq * (N1 // n2), k1 - k0), v[k0:k1].to(cdt).transpose(0, 1))
         oc = oc / torch.where(den > 0, den, 1.0).view(n2, -1, 1)
@@ -122,32 +173,35 @@ def attention_backward(q, k, v, o, lse, do, chunks, kstep, span, scale):
     n2 = k.shape[1]
     cdt = stats_dtype(q.dtype)
     dq = torch.zeros_like(q)
-    dk = torch.zeros(k.shape, dtype=cdt, device=k.device)
-    dv = torch.zeros(v.shape, dtype=cdt, device=v.device)
-    delta = (do.to(cdt) * o.to(cdt)).sum(-1)
+    # [N2, T, D]: the chunks' dK, dV are added in place by baddbmm_ (no per-chunk product and add)
+    dk = torch.zeros((n2, k.shape[0], k.shape[2]), dtype=cdt, device=k.device)
+    dv = torch.zeros((n2, v.shape[0], v.shape[2]), dtype=cdt, device=v.device)
+    delta = row_dot(do, o, cdt)
     lse_safe = torch.where(lse == float("-inf"), float("inf"), lse)
+    floor = _exp_floor(cdt)
     for chunk in chunks:
         q0, q1, k0, k1 = chunk[:4]
         tq, tk = q1 - q0, k1 - k0
         qh = _heads_first(q[q0:q1].to(cdt), n2) * scale
         kc, vc = k[k0:k1].to(cdt), v[k0:k1].to(cdt)
-        s = _masked_scores(qh, kc, chunk, kstep, span, tq)
-        p = s.sub_(lse_safe[q0:q1].view(tq, n2, -1).transpose(0, 1)[..., None]).exp_()
+        s = _scores(qh, kc, chunk, tq)
+        p = _exp_(s.sub_(lse_safe[q0:q1].view(tq, n2, -1).transpose(0, 1)[..., None]),
+                  _edges(chunk, kstep, span, tq, q.device), floor)
         doh = _heads_first(do[q0:q1].to(cdt), n2)
         dp = torch.bmm(doh, vc.permute(1, 2, 0)).view(p.shape)
         ds = dp.sub_(delta[q0:q1].view(tq, n2, -1).transpose(0, 1)[..., None]).mul_(p).view(n2, -1, tk)
         p = p.view(n2, -1, tk)
         dq[q0:q1] = (_tokens_first(torch.bmm(ds, kc.transpose(0, 1)), tq) * scale).to(dq.dtype)
-        dk[k0:k1] += torch.bmm(ds.transpose(1, 2), qh).transpose(0, 1)
-        dv[k0:k1] += torch.bmm(p.transpose(1, 2), doh).transpose(0, 1)
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+        dk[:, k0:k1].baddbmm_(ds.transpose(1, 2), qh)
+        dv[:, k0:k1].baddbmm_(p.transpose(1, 2), doh)
+    return dq, dk.transpose(0, 1).to(k.dtype).contiguous(), dv.transpose(0, 1).to(v.dtype).contiguous()
 
 
-def _plan(q, cu, cu_k, l, d, window):
+def _plan(q, k, cu, cu_k, l, d, window):
     """The chunks and the key rule: ``window > 0`` the sliding window, else the compressed blocks of ``(l, d)``."""
     elt = 8 if q.dtype == torch.float64 else 4
     if window > 0:
-        return window_chunks(cu, window, q.shape[1], elt), 1, window
+        return window_chunks(cu, window, q.shape[1], elt, q.shape[1] // k.shape[1]), 1, window
     return compressed_chunks(cu, cu_k, l, d, q.shape[1], elt), d, None
 
 
@@ -155,7 +209,7 @@ def _plan(q, cu, cu_k, l, d, window):
 @torch.library.custom_op("sparseops::nsa_chunked_attention_fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], cu_k: list[int], l: int, d: int,
             window: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    chunks, kstep, span = _plan(q, cu, cu_k, l, d, window)
+    chunks, kstep, span = _plan(q, k, cu, cu_k, l, d, window)
     return attention_forward(q, k, v, chunks, kstep, span, scale)
 
 
@@ -168,7 +222,7 @@ def _(q, k, v, cu, cu_k, l, d, window, scale):
 def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
             cu: list[int], cu_k: list[int], l: int, d: int, window: int,
             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    chunks, kstep, span = _plan(q, cu, cu_k, l, d, window)
+    chunks, kstep, span = _plan(q, k, cu, cu_k, l, d, window)
     return attention_backward(q, k, v, o, lse, do, chunks, kstep, span, scale)
 
 

@@ -121,9 +121,10 @@ def _select(q, k_cmp, lse, cu, cu_cmp, l, d, lb, n, init, local, scale):
                 nv = (p1 - 1 - (l - 1)) // d + 1
                 chunk = (st + p0, st + p1, c, c + nv, p0, l - 1)
                 qh = _ca._heads_first(q[st + p0:st + p1].to(cdt), n2) * scale
-                sc = _ca._masked_scores(qh, k_cmp[c:c + nv].to(cdt), chunk, d, None, tq)
+                sc = _ca._scores(qh, k_cmp[c:c + nv].to(cdt), chunk, tq)
                 lc = lse_safe[st + p0:st + p1].view(tq, n2, -1).transpose(0, 1)[..., None]
-                P = sc.sub_(lc).exp_().sum(2).transpose(0, 1)  # [tq, N2, nv]
+                P = _ca._exp_(sc.sub_(lc), _ca._edges(chunk, d, None, tq, dev), _ca._exp_floor(cdt))
+                P = P.sum(2).transpose(0, 1)  # [tq, N2, nv]
                 S = block_importance(P, l, d, lb, nsel)
             else:
                 S = torch.zeros((tq, n2, nsel), dtype=cdt, device=dev)
