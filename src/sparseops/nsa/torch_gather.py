@@ -79,12 +79,16 @@ class _Rows:
         last = torch.where(seen, ar, 0).amax(dim=1).tolist()
         return torch.where(vis, rows, 0), vis, last
 
-    def chunks(self, g0, g1, last):
-        """``(c0, c1, n)`` chunks of the group (offsets into it) and the gathered keys ``n`` they keep: trailing
-        keys no row of the chunk sees (an indexer's -1 tail, causal rows shorter than K) add only exact zeros."""
-        for c0 in range(0, g1 - g0, self.C):
-            c1 = min(g1 - g0, c0 + self.C)
-            yield c0, c1, max(1, max(last[c0:c1]))
+    def work(self, topk, T1, causal):
+        """Every chunk ``(t0, t1, rows [B, n], vis [B, 1, n])``, ``B = (t1 - t0) * N2``, keeping the gathered keys
+        ``n`` some row of the chunk sees: trailing keys no row sees (an indexer's -1 tail, causal rows shorter than
+        K) add only exact zeros."""
+        for g0, g1 in self.groups(T1):
+            rows_g, vis_g, last = self.gather_index(topk, g0, g1, causal)
+            for c0 in range(0, g1 - g0, self.C):
+                c1 = min(g1 - g0, c0 + self.C)
+                n, B = max(1, max(last[c0:c1])), (c1 - c0) * self.N2
+                yield g0 + c0, g0 + c1, rows_g[c0:c1, :, :n].reshape(B, n), vis_g[c0:c1, :, :n].reshape(B, 1, n)
 
 
 class _Buffers:
@@ -125,24 +129,20 @@ def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
     BK = plan.C * N2 * plan.KB
     buf = _Buffers(dev, acc, k=BK * Dqk, v=BK * Dv, x=BK * G, o=plan.C * N1 * Dv)
     big = torch.finfo(acc).max
-    for g0, g1 in plan.groups(T1):
-        rows_g, vis_g, last = plan.gather_index(topk, g0, g1, causal)
-        for c0, c1, n in plan.chunks(g0, g1, last):
-            t0, t1, C = g0 + c0, g0 + c1, c1 - c0
-            B = C * N2
-            rows, vis = rows_g[c0:c1, :, :n].reshape(B, n), vis_g[c0:c1, :, :n].reshape(B, 1, n)
-            qs = qa[t0:t1].view(B, G, Dqk)
-            ks = _gather(kf, rows, buf.take("k", B, n, Dqk))
-            x = torch.bmm(qs, ks.transpose(1, 2), out=buf.take("x", B, G, n))
-            x.clamp_(max=big).masked_fill_(~vis, _NEG_INF)
-            mx = torch.amax(x, dim=-1, keepdim=True)
-            mx.masked_fill_(mx == _NEG_INF, 0.0)
-            x.sub_(mx).clamp_(_exp_floor(acc), 80.0).exp_().mul_(vis)
-            sm = x.sum(dim=-1, keepdim=True)
-            o = torch.bmm(x, _gather(vf, rows, buf.take("v", B, n, Dv)), out=buf.take("o", B, G, Dv))
-            o.mul_(torch.where(sm > 0, 1.0 / sm, 0.0))
-            out[t0:t1] = o.view(C, N1, Dv)
-            m[t0:t1], l[t0:t1] = mx.view(C, N1), sm.view(C, N1)
+    for t0, t1, rows, vis in plan.work(topk, T1, causal):
+        C, (B, n) = t1 - t0, rows.shape
+        qs = qa[t0:t1].view(B, G, Dqk)
+        ks = _gather(kf, rows, buf.take("k", B, n, Dqk))
+        x = torch.bmm(qs, ks.transpose(1, 2), out=buf.take("x", B, G, n))
+        x.clamp_(max=big).masked_fill_(~vis, _NEG_INF)
+        mx = torch.amax(x, dim=-1, keepdim=True)
+        mx.masked_fill_(mx == _NEG_INF, 0.0)
+        x.sub_(mx).clamp_(_exp_floor(acc), 80.0).exp_().mul_(vis)
+        sm = x.sum(dim=-1, keepdim=True)
+        o = torch.bmm(x, _gather(vf, rows, buf.take("v", B, n, Dv)), out=buf.take("o", B, G, Dv))
+        o.mul_(torch.where(sm > 0, 1.0 / sm, 0.0))
+        out[t0:t1] = o.view(C, N1, Dv)
+        m[t0:t1], l[t0:t1] = mx.view(C, N1), sm.view(C, N1)
     return out, m, l
 
 
@@ -179,25 +179,21 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     BK = plan.C * N2 * plan.KB
     buf = _Buffers(dev, acc, k=BK * Dqk, v=BK * Dv, p=BK * G, ds=BK * G,
                    dq=plan.C * N1 * Dqk, dk=BK * Dqk, dv=BK * Dv)
-    for g0, g1 in plan.groups(T1):
-        rows_g, vis_g, last = plan.gather_index(topk, g0, g1, causal)
-        for c0, c1, n in plan.chunks(g0, g1, last):
-            t0, t1, C = g0 + c0, g0 + c1, c1 - c0
-            B = C * N2
-            rows, vis = rows_g[c0:c1, :, :n].reshape(B, n), vis_g[c0:c1, :, :n].reshape(B, 1, n)
-            ks, vs = _gather(kf, rows, buf.take("k", B, n, Dqk)), _gather(vf, rows, buf.take("v", B, n, Dv))
-            qs = qa[t0:t1].view(B, G, Dqk)
-            p = torch.bmm(qs, ks.transpose(1, 2), out=buf.take("p", B, G, n))
-            p.sub_(lse[t0:t1].reshape(B, G, 1)).clamp_(_exp_floor(acc), 80.0).exp_().mul_(vis)
-            dy = dyf[t0:t1].reshape(B, G, Dv)
-            ds = torch.bmm(dy, vs.transpose(1, 2), out=buf.take("ds", B, G, n))
-            ds.sub_(delta[t0:t1].reshape(B, G, 1)).mul_(p)
-            dqc = torch.bmm(ds, ks, out=buf.take("dq", B, G, Dqk)).mul_(scale)
-            dq[t0:t1] = dqc.view(C, N1, Dqk)
-            flat_rows = rows.reshape(-1)
-            # dK = scale * dS^T Q; qs holds scale * Q already
-            dkc = torch.bmm(ds.transpose(1, 2), qs, out=buf.take("dk", B, n, Dqk))
-            _accumulate(dkf, flat_rows, dkc.view(-1, Dqk), deterministic)
-            dvc = torch.bmm(p.transpose(1, 2), dy, out=buf.take("dv", B, n, Dv))
-            _accumulate(dvf, flat_rows, dvc.view(-1, Dv), deterministic)
+    for t0, t1, rows, vis in plan.work(topk, T1, causal):
+        C, (B, n) = t1 - t0, rows.shape
+        ks, vs = _gather(kf, rows, buf.take("k", B, n, Dqk)), _gather(vf, rows, buf.take("v", B, n, Dv))
+        qs = qa[t0:t1].view(B, G, Dqk)
+        p = torch.bmm(qs, ks.transpose(1, 2), out=buf.take("p", B, G, n))
+        p.sub_(lse[t0:t1].reshape(B, G, 1)).clamp_(_exp_floor(acc), 80.0).exp_().mul_(vis)
+        dy = dyf[t0:t1].reshape(B, G, Dv)
+        ds = torch.bmm(dy, vs.transpose(1, 2), out=buf.take("ds", B, G, n))
+        ds.sub_(delta[t0:t1].reshape(B, G, 1)).mul_(p)
+        dqc = torch.bmm(ds, ks, out=buf.take("dq", B, G, Dqk)).mul_(scale)
+        dq[t0:t1] = dqc.view(C, N1, Dqk)
+        flat_rows = rows.reshape(-1)
+        # dK = scale * dS^T Q; qs holds scale * Q already
+        dkc = torch.bmm(ds.transpose(1, 2), qs, out=buf.take("dk", B, n, Dqk))
+        _accumulate(dkf, flat_rows, dkc.view(-1, Dqk), deterministic)
+        dvc = torch.bmm(p.transpose(1, 2), dy, out=buf.take("dv", B, n, Dv))
+        _accumulate(dvf, flat_rows, dvc.view(-1, Dv), deterministic)
     return dq, dkf.view(k.shape).to(k.dtype), dvf.view(v.shape).to(v.dtype)
