@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from .._numerics import exp_floor, row_dot
 from .._varlen import token_seq_positions
 
 #: bytes of one chunk's work tensors (gathered keys and values, scores and their gradients) on the CPU
@@ -35,11 +36,6 @@ _NEG_INF = float("-inf")
 
 def _acc(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
-def _exp_floor(acc: torch.dtype) -> float:
-    # exp() below ~-87.3 is an fp32 denormal or 0 (a slow path on x86); e^-80 is negligible next to the max term
-    return -80.0 if acc == torch.float32 else -700.0
 
 
 class _Rows:
@@ -137,7 +133,7 @@ def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
         x.clamp_(max=big).masked_fill_(~vis, _NEG_INF)
         mx = torch.amax(x, dim=-1, keepdim=True)
         mx.masked_fill_(mx == _NEG_INF, 0.0)
-        x.sub_(mx).clamp_(_exp_floor(acc), 80.0).exp_().mul_(vis)
+        x.sub_(mx).clamp_(exp_floor(acc), 80.0).exp_().mul_(vis)
         sm = x.sum(dim=-1, keepdim=True)
         o = torch.bmm(x, _gather(vf, rows, buf.take("v", B, n, Dv)), out=buf.take("o", B, G, Dv))
         o.mul_(torch.where(sm > 0, 1.0 / sm, 0.0))
@@ -173,9 +169,9 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     dvf = torch.zeros(vf.shape, dtype=acc, device=dev)
     # D = rowsum(dO * O), the softmax backward's correction, for every row at once
     dyf = dout.to(acc)
-    delta = (dyf * out.to(acc)).sum(dim=-1)  # [T1, N1]
+    delta = row_dot(dout, out, acc)  # [T1, N1]
     # P = exp(S - m) / l = exp(S - (m + log l)): one pass fewer per chunk (a row with l = 0 sees no key: vis = 0)
-    lse = torch.where(l > 0, m.to(acc) + torch.log(torch.where(l > 0, l.to(acc), 1.0)), 0.0)
+    lse = torch.where(l > 0, m.to(acc) + torch.log(l.to(acc)), 0.0)
     BK = plan.C * N2 * plan.KB
     buf = _Buffers(dev, acc, k=BK * Dqk, v=BK * Dv, p=BK * G, ds=BK * G,
                    dq=plan.C * N1 * Dqk, dk=BK * Dqk, dv=BK * Dv)
@@ -184,7 +180,7 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
         ks, vs = _gather(kf, rows, buf.take("k", B, n, Dqk)), _gather(vf, rows, buf.take("v", B, n, Dv))
         qs = qa[t0:t1].view(B, G, Dqk)
         p = torch.bmm(qs, ks.transpose(1, 2), out=buf.take("p", B, G, n))
-        p.sub_(lse[t0:t1].reshape(B, G, 1)).clamp_(_exp_floor(acc), 80.0).exp_().mul_(vis)
+        p.sub_(lse[t0:t1].reshape(B, G, 1)).clamp_(exp_floor(acc), 80.0).exp_().mul_(vis)
         dy = dyf[t0:t1].reshape(B, G, Dv)
         ds = torch.bmm(dy, vs.transpose(1, 2), out=buf.take("ds", B, G, n))
         ds.sub_(delta[t0:t1].reshape(B, G, 1)).mul_(p)

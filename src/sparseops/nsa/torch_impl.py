@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..nsa_branches.chunked_attention import row_dot
+from .._numerics import exp_floor, row_dot
 from . import torch_gather
 from .torch_plan import SETTINGS, NsaTorchSettings, Plan
 
@@ -47,13 +47,13 @@ def _softmax_fwd(x, w, acc):
     becomes ``exp(clamp(x - mx)) * w``."""
     mx = torch.amax(_mask_(x, w), dim=-1, keepdim=True)
     mx.masked_fill_(mx == _NEG_INF, 0.0)
-    x.sub_(mx).clamp_(_exp_floor(acc), 80.0).exp_().mul_(w)
+    x.sub_(mx).clamp_(exp_floor(acc), 80.0).exp_().mul_(w)
     return mx, x.sum(dim=-1, keepdim=True)
 
 
 def _probs(x, w, m, inv, acc, sum_out=None):
     """``x`` <- ``exp(clamp(x - m)) * w * inv`` (``w``, ``inv`` may be None: 1); its row sum into ``sum_out``."""
-    x.sub_(m).clamp_(_exp_floor(acc), 80.0).exp_()
+    x.sub_(m).clamp_(exp_floor(acc), 80.0).exp_()
     if w is not None:
         x.mul_(w)
     if inv is not None:
@@ -75,11 +75,6 @@ def _dsoftmax(ds, d, p):
 
 def _acc(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
-def _exp_floor(acc: torch.dtype) -> float:
-    # exp() of anything below ~-87.3 is a denormal or 0 in fp32 (slow); e^-80 is negligible next to the max term
-    return -80.0 if acc == torch.float32 else -700.0
 
 
 def _zero_hidden_(x, part):

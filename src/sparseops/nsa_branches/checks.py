@@ -24,8 +24,6 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-
-
 def check_blocks(block_size, stride, select_block_size=None) -> tuple[int, int]:
     """``l >= 1``, ``1 <= d``, ``d | l`` and (when given) ``d | l'``."""
     l = _checks.check_int("block_size", block_size, lo=1)

@@ -17,6 +17,7 @@ import dataclasses
 
 import torch
 
+from .._numerics import exp_floor, row_dot
 from .._settings import Settings
 from .checks import stats_dtype
 
@@ -73,16 +74,6 @@ def compressed_chunks(cu: list[int], cu_cmp: list[int], l: int, d: int, n1: int,
     return chunks
 
 
-def row_dot(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, rows: int = 512) -> torch.Tensor:
-    """``(a * b).sum(-1)`` in ``dtype`` for ``[T, ...]`` tensors, by slices of ``rows`` tokens: the same sums
-    (each row is reduced whole, in the same order), without a full-size product tensor, whose fresh pages cost
-    more than the product (2.6x the time at ``[16384, 16, 128]``)."""
-    out = torch.empty(a.shape[:-1], dtype=dtype, device=a.device)
-    for i in range(0, a.shape[0], rows):
-        torch.sum(a[i:i + rows].to(dtype) * b[i:i + rows].to(dtype), dim=-1, out=out[i:i + rows])
-    return out
-
-
 def _heads_first(x: torch.Tensor, n2: int) -> torch.Tensor:
     """``[Tq, N1, D]`` -> ``[N2, Tq*G, D]`` (query head ``n2*G + g`` of token t at row ``t*G + g``)."""
     Tq, N1, D = x.shape
@@ -120,7 +111,7 @@ def _edges(chunk, kstep, span, tq, dev):
 
 def _exp_(s, edges, floor):
     """``s`` <- ``exp(s)``, 0 on the hidden keys of ``edges``. The edge columns are clamped to ``[floor, 80]``
-    first: ``exp`` of -inf or of anything that underflows takes a slow path on x86 CPUs (10-40x), and their
+    first: ``exp`` of -inf or of anything that underflows takes a slow path on x86 CPUs (docs/perf.md), and their
     hidden keys may hold any value, as they are set to 0 after."""
     for c0, c1, _ in edges:
         s[..., c0:c1].clamp_(floor, 80.0)
@@ -136,11 +127,6 @@ def _scores(qh, kc, chunk, tq):
     return torch.bmm(qh, kc.permute(1, 2, 0)).view(kc.shape[1], tq, -1, k1 - k0)
 
 
-def _exp_floor(dtype):
-    # exp() below ~-87.3 is an fp32 denormal or 0; e^-80 is negligible next to the row's max term
-    return -700.0 if dtype == torch.float64 else -80.0
-
-
 def attention_forward(q, k, v, chunks, kstep, span, scale):
     """``(o [T, N1, Dv]`` in q's dtype, ``lse [T, N1]`` fp32/float64) over ``chunks``."""
     T, N1, _ = q.shape
@@ -148,7 +134,7 @@ def attention_forward(q, k, v, chunks, kstep, span, scale):
     cdt = stats_dtype(q.dtype)
     o = q.new_zeros((T, N1, Dv))
     lse = q.new_full((T, N1), float("-inf"), dtype=cdt)
-    floor = _exp_floor(cdt)
+    floor = exp_floor(cdt)
     for chunk in chunks:
         q0, q1, k0, k1 = chunk[:4]
         tq = q1 - q0
@@ -178,7 +164,7 @@ def attention_backward(q, k, v, o, lse, do, chunks, kstep, span, scale):
     dv = torch.zeros((n2, v.shape[0], v.shape[2]), dtype=cdt, device=v.device)
     delta = row_dot(do, o, cdt)
     lse_safe = torch.where(lse == float("-inf"), float("inf"), lse)
-    floor = _exp_floor(cdt)
+    floor = exp_floor(cdt)
     for chunk in chunks:
         q0, q1, k0, k1 = chunk[:4]
         tq, tk = q1 - q0, k1 - k0

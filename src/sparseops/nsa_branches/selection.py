@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import _checks
+from .._numerics import exp_floor
 from . import chunked_attention as _ca
 from .checks import stats_dtype
 from .compressed_attention import check_cmp_args
@@ -123,7 +124,7 @@ def _select(q, k_cmp, lse, cu, cu_cmp, l, d, lb, n, init, local, scale):
                 qh = _ca._heads_first(q[st + p0:st + p1].to(cdt), n2) * scale
                 sc = _ca._scores(qh, k_cmp[c:c + nv].to(cdt), chunk, tq)
                 lc = lse_safe[st + p0:st + p1].view(tq, n2, -1).transpose(0, 1)[..., None]
-                P = _ca._exp_(sc.sub_(lc), _ca._edges(chunk, d, None, tq, dev), _ca._exp_floor(cdt))
+                P = _ca._exp_(sc.sub_(lc), _ca._edges(chunk, d, None, tq, dev), exp_floor(cdt))
                 P = P.sum(2).transpose(0, 1)  # [tq, N2, nv]
                 S = block_importance(P, l, d, lb, nsel)
             else:

@@ -1,0 +1,21 @@
+"""Numeric helpers shared by the torch paths of the attention ops (docs/internals.md)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def exp_floor(acc: torch.dtype) -> float:
+    """The lowest exponent worth computing in ``acc`` (fp32 or float64): ``exp()`` below about -87.3 is an fp32
+    denormal or 0 (a slow path on x86), and ``e^-80`` is negligible next to a row's max term."""
+    return -700.0 if acc == torch.float64 else -80.0
+
+
+def row_dot(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, rows: int = 512) -> torch.Tensor:
+    """``(a * b).sum(-1)`` in ``dtype`` for ``[T, ...]`` tensors, by slices of ``rows`` tokens: the same sums
+    (each row is reduced whole, in the same order) without a full-size product tensor, whose fresh pages cost
+    more than the product (docs/perf.md)."""
+    out = torch.empty(a.shape[:-1], dtype=dtype, device=a.device)
+    for i in range(0, a.shape[0], rows):
+        torch.sum(a[i:i + rows].to(dtype) * b[i:i + rows].to(dtype), dim=-1, out=out[i:i + rows])
+    return out
