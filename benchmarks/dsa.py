@@ -6,7 +6,8 @@ Dqk = Dv = 128, ``topk = 2048``, an indexer of Hi = 4 heads x Di = 64. *Ours* is
 and ``indexer_kl_loss`` forward and backward (into the indexer's q, k, weights). *Dense* is
 ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`` forward and backward on the same q, k, v.
 The two are measured in one process, after an untimed warm-up call of each (a training step's steady state),
-alternating, so a loaded machine slows both alike; the load average is recorded. Goals (docs/perf.md): at least 1.0x at T = 8192 and 3x at T = 32768.
+alternating, so a loaded machine slows both alike; the load average is recorded. Goals (docs/perf.md): at least
+1.0x at T = 8192 and 3x at T = 32768.
 
 Correctness first: the same step at T = 96 (``topk`` 24) in float64 against dense references
 (``index_scores``, a stable sort, the masked softmax over the selected keys, the dense KL).

@@ -120,7 +120,7 @@ class _IndexerTopk(torch.autograd.Function):
         kbuf = torch.empty(C * topk * Di, dtype=acc, device=q_idx.device)
         dbuf = torch.empty(C * Hi * topk, dtype=acc, device=q_idx.device)
         rbuf = torch.empty(C * Hi * topk, dtype=acc, device=q_idx.device)
-        kgbuf = torch.empty(C * topk * Di, dtype=acc, device=q_idx.device)
+        dkbuf = torch.empty(C * topk * Di, dtype=acc, device=q_idx.device)
         for t0 in range(0, T, C):
             t1 = min(T, t0 + C)
             c = t1 - t0
@@ -135,7 +135,7 @@ class _IndexerTopk(torch.autograd.Function):
             dw[t0:t1] = torch.bmm(dots.relu_(), g[:, :, None])[..., 0]
             dr.mul_(weights[t0:t1].to(acc)[:, :, None]).mul_(g[:, None, :])
             dq[t0:t1] = torch.bmm(dr, kg)
-            dkc = torch.bmm(dr.transpose(1, 2), qs, out=kgbuf[:c * topk * Di].view(c, topk, Di))
+            dkc = torch.bmm(dr.transpose(1, 2), qs, out=dkbuf[:c * topk * Di].view(c, topk, Di))
             _add_rows(dk, rows.view(-1), dkc.view(-1, Di))
         return dq.to(q_idx.dtype), dk.to(k_idx.dtype), dw.to(weights.dtype), None, None, None
 

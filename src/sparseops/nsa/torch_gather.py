@@ -167,9 +167,9 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     qa = torch.mul(q.to(acc), scale).contiguous()
     dkf = torch.zeros(kf.shape, dtype=acc, device=dev)
     dvf = torch.zeros(vf.shape, dtype=acc, device=dev)
-    # D = rowsum(dO * O), the softmax backward's correction, for every row at once
     dyf = dout.to(acc)
-    delta = row_dot(dout, out, acc)  # [T1, N1]
+    # D = rowsum(dO * O) [T1, N1], the softmax backward's correction, for every row at once
+    delta = row_dot(dout, out, acc)
     # P = exp(S - m) / l = exp(S - (m + log l)): one pass fewer per chunk (a row with l = 0 sees no key: vis = 0)
     lse = torch.where(l > 0, m.to(acc) + torch.log(l.to(acc)), 0.0)
     BK = plan.C * N2 * plan.KB
