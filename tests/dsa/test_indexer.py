@@ -13,8 +13,10 @@ def _inputs(T, Hi=3, Di=8, dtype=torch.float64, seed=0, ties=False):
     q = torch.randn(T, Hi, Di, generator=g, dtype=torch.float64)
     k = torch.randn(T, Di, generator=g, dtype=torch.float64)
     w = torch.randn(T, Hi, generator=g, dtype=torch.float64)
-    if ties:  # few distinct keys: many equal scores in every row
-        k = k[torch.randint(0, 3, (T,), generator=g)]
+    if ties:  # few distinct keys: many equal scores in every row, on quarter-integers so that every sum is
+        # exact: a GEMM may round identical columns differently (edge tiles), which would break the dense
+        # reference's ties
+        q, k, w = ((x * 4).round() / 4 for x in (q, k[torch.randint(0, 3, (T,), generator=g)], w))
     return [t.to(dtype).requires_grad_() for t in (q, k, w)]
 
 

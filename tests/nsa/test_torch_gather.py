@@ -7,7 +7,7 @@ import torch
 
 import sparseops
 from sparseops._varlen import normalize_cu_seqlens
-from sparseops.nsa import reference, torch_gather
+from sparseops.nsa import reference, torch_gather, torch_plan
 from sparseops.testing import assert_close, make_nsa_inputs
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -20,6 +20,12 @@ CASES = [
     ("bs8-kv-longer", [5, 7], [30, 17], 3, 1, 8, 8, 8, 2, True, 0.1, True),
     ("mqa-G128", [6], None, 128, 1, 8, 8, 1, 4, True, 0.0, False),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _torch_ops(override):
+    """These tests check the torch ops; the C++ CPU kernels have their own (test_cpu_gather.py)."""
+    override(torch_plan.SETTINGS, cpu_kernels=False)
 
 
 def _inputs(case, dtype, seed=0):

@@ -22,6 +22,12 @@ CASES = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _torch_ops(override):
+    """These tests check the torch ops; the C++ CPU kernels have their own (test_cpu_gather.py)."""
+    override(torch_plan.SETTINGS, cpu_kernels=False)
+
+
 def _case_inputs(case, dtype, seed=0):
     _, sq, skv, N1, N2, Dqk, Dv, bs, K, causal, ef, dup = case
     return make_nsa_inputs(sq, skv, N1=N1, N2=N2, Dqk=Dqk, Dv=Dv, bs=bs, K=K, dtype=dtype, causal=causal,

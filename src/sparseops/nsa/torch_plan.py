@@ -70,6 +70,9 @@ class NsaTorchSettings:
     #: costs a ``Q Kᵀ``. 0: never; inf: always
     global_fwd_share: float = 512.0
     global_bwd_share: float = 1024.0
+    #: on the CPU, run the C++ kernels of :mod:`.cpu_gather` where they suit the call (token granularity, or at
+    #: least a vector register's lanes of query heads per KV head: 16 in fp32) and they build; False: torch ops
+    cpu_kernels: bool = True
 
 
 #: the knobs in force; tests and tuning scripts change them with ``SETTINGS.override(...)``

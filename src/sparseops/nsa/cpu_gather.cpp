@@ -1,0 +1,425 @@
+// NSA selected attention on the CPU, one (query token, KV head) at a time with its gathered keys in the cache
+// and its heads in the lanes of one vector register (docs/nsa.md, "The C++ CPU path"; docs/perf.md).
+//
+// Arguments arrive validated and contiguous from sparseops/nsa/cpu_gather.py:
+//   q [T1, N1, D] pre-scaled by the softmax scale, k [T2, N2, D], v [T2, N2, Dv] (fp32 or float64),
+//   topk [T1, N2, K] int64 block ids (-1 = none), and per query token its sequence's first key row, key count
+//   and its own in-sequence position. A gathered key p = idx * bs + r is visible iff idx != -1, p < S2 and, when
+//   causal, p <= pos: the rule of the reference (sparseops/nsa/reference.py).
+//
+// Layout of the work: the G query heads of a KV head fill the W lanes of a 64-byte vector (16 fp32 / 8 float64;
+// more heads take several items, fewer leave lanes at 0). Each product then runs as broadcast-FMAs:
+//   scores  s[j]   = sum_d qT[d] * k_j[d]          (qT [D] vectors: q transposed)
+//   outputs oT[d]  = sum_j p[j] * v_j[d]           (16 accumulators over d in registers)
+//   key rows dk_j  += sum_h ds[j][h] * q_h         (d in the lanes, for dK and dV)
+// dK / dV go into one private buffer per task; the Python side adds the buffers in task order, and each task's
+// items are fixed by the item index alone: the backward is bitwise repeatable for a given thread count.
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <thread>
+#include <vector>
+
+namespace {
+
+// keys per block of the backward's fused products
+constexpr int64_t KEY_BLOCK = 64;
+
+template <typename T> struct Vec;
+template <> struct Vec<float> {
+  typedef float type __attribute__((vector_size(64)));
+  typedef int itype __attribute__((vector_size(64)));
+  static constexpr int W = 16;
+};
+template <> struct Vec<double> {
+  typedef double type __attribute__((vector_size(64)));
+  typedef long long itype __attribute__((vector_size(64)));
+  static constexpr int W = 8;
+};
+
+template <typename T> inline typename Vec<T>::type load(const T* p) {
+  typename Vec<T>::type x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+template <typename T> inline void store(T* p, typename Vec<T>::type x) { std::memcpy(p, &x, sizeof(x)); }
+
+// exp of each lane for arguments in [-80, 80] (the callers clamp): Cephes' expf polynomial (about 1 ulp).
+inline Vec<float>::type vexp(Vec<float>::type x) {
+  typedef Vec<float>::type V;
+  typedef Vec<float>::itype I;
+  const V magic = V{} + 12582912.0f;  // 1.5 * 2^23: adding and subtracting rounds to the nearest integer
+  V n = (x * 1.44269504088896341f + magic) - magic;
+  V r = x - n * 0.693359375f - n * -2.12194440e-4f;
+  V z = r * r;
+  V y = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r +
+         1.6666665459e-1f) * r + 5.0000001201e-1f;
+  y = y * z + r + 1.0f;
+  I e = (__builtin_convertvector(n, I) + 127) << 23;
+  V scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return y * scale;
+}
+// float64 is the testing dtype: the library's exp, lane by lane.
+inline Vec<double>::type vexp(Vec<double>::type x) {
+  for (int i = 0; i < Vec<double>::W; ++i) x[i] = std::exp(x[i]);
+  return x;
+}
+
+template <typename T> struct Args {
+  const T *q, *k, *v;
+  const int64_t *topk, *kv_start, *seq_len, *pos;
+  int64_t T1, N1, N2, D, Dv, K, bs, G, HB;
+  bool causal;
+  T floor;  // the lowest exponent computed (sparseops._numerics.exp_floor)
+};
+
+// The flat key rows ([T2 * N2] rows) item (t, n2) sees, in slot order; returns their count.
+template <typename T> int64_t visible_rows(const Args<T>& a, int64_t t, int64_t n2, int64_t* rows) {
+  const int64_t* ids = a.topk + (t * a.N2 + n2) * a.K;
+  int64_t lim = a.seq_len[t];
+  if (a.causal) lim = std::min(lim, a.pos[t] + 1);
+  const int64_t base = a.kv_start[t];
+  int64_t n = 0;
+  for (int64_t i = 0; i < a.K; ++i) {
+    const int64_t idx = ids[i];
+    if (idx < 0) continue;
+    const int64_t p0 = idx * a.bs, p1 = std::min(p0 + a.bs, lim);
+    for (int64_t p = p0; p < p1; ++p) rows[n++] = (base + p) * a.N2 + n2;
+  }
+  return n;
+}
+
+// s[j] = sum_d xT[d] * src_j[d] for the n rows src_j = base + rows[j] * ld (length D).
+template <typename T>
+void row_scores(const typename Vec<T>::type* xT, int64_t D, const T* base, const int64_t* rows, int64_t n,
+                int64_t ld, typename Vec<T>::type* s) {
+  typedef typename Vec<T>::type V;
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const T* r[8];
+    for (int i = 0; i < 8; ++i) r[i] = base + rows[j + i] * ld;
+    V a0{}, a1{}, a2{}, a3{}, a4{}, a5{}, a6{}, a7{};
+    for (int64_t d = 0; d < D; ++d) {
+      const V x = xT[d];
+      a0 += x * r[0][d];
+      a1 += x * r[1][d];
+      a2 += x * r[2][d];
+      a3 += x * r[3][d];
+      a4 += x * r[4][d];
+      a5 += x * r[5][d];
+      a6 += x * r[6][d];
+      a7 += x * r[7][d];
+    }
+    s[j] = a0; s[j + 1] = a1; s[j + 2] = a2; s[j + 3] = a3;
+    s[j + 4] = a4; s[j + 5] = a5; s[j + 6] = a6; s[j + 7] = a7;
+  }
+  for (; j < n; ++j) {
+    const T* r = base + rows[j] * ld;
+    V a{};
+    for (int64_t d = 0; d < D; ++d) a += xT[d] * r[d];
+    s[j] = a;
+  }
+}
+
+// outT[d] (+)= sum_j p[j] * src_j[d], d < Dv (the rows as in row_scores; add when `add`, else overwrite).
+template <typename T>
+void row_combine(const typename Vec<T>::type* p, const T* base, const int64_t* rows, int64_t n, int64_t ld,
+                 int64_t Dv, typename Vec<T>::type* outT, bool add) {
+  typedef typename Vec<T>::type V;
+  constexpr int B = 16;
+  int64_t d0 = 0;
+  for (; d0 + B <= Dv; d0 += B) {
+    V a[B] = {};
+    if (add)
+      for (int i = 0; i < B; ++i) a[i] = outT[d0 + i];
+    for (int64_t j = 0; j < n; ++j) {
+      const V pj = p[j];
+      const T* r = base + rows[j] * ld + d0;
+#pragma GCC unroll 16
+      for (int i = 0; i < B; ++i) a[i] += pj * r[i];
+    }
+    for (int i = 0; i < B; ++i) outT[d0 + i] = a[i];
+  }
+  for (; d0 < Dv; ++d0) {
+    V a = add ? outT[d0] : V{};
+    for (int64_t j = 0; j < n; ++j) a += p[j] * base[rows[j] * ld + d0];
+    outT[d0] = a;
+  }
+}
+
+// row_scatter one key at a time.
+template <typename T>
+void row_scatter_keys(const typename Vec<T>::type* x, const T* A, int64_t Gh, int64_t D, T* dst,
+                      const int64_t* rows, int64_t n) {
+  typedef typename Vec<T>::type V;
+  constexpr int W = Vec<T>::W;
+  for (int64_t j = 0; j < n; ++j) {
+    T* o = dst + rows[j] * D;
+    const T* xs = reinterpret_cast<const T*>(x + j);
+    int64_t d0 = 0;
+    for (; d0 + W <= D; d0 += W) {
+      V a = load<T>(o + d0);
+      for (int64_t h = 0; h < Gh; ++h) a += xs[h] * load<T>(A + h * D + d0);
+      store<T>(o + d0, a);
+    }
+    for (; d0 < D; ++d0) {
+      T a = o[d0];
+      for (int64_t h = 0; h < Gh; ++h) a += xs[h] * A[h * D + d0];
+      o[d0] = a;
+    }
+  }
+}
+
+// dst_j += sum_{h < Gh} x[j][h] * A[h] for the n rows dst_j = dst + rows[j] * D (A: [W, D] rows): the small
+// product x^T A by tiles of 4 keys x 4 vectors of d, so that each loaded row piece of A serves 4 keys.
+// A tile whose keys repeat a row (a duplicated block id) goes key by key, so that each addition lands.
+template <typename T>
+void row_scatter(const typename Vec<T>::type* x, const T* A, int64_t Gh, int64_t D, T* dst, const int64_t* rows,
+                 int64_t n) {
+  typedef typename Vec<T>::type V;
+  constexpr int W = Vec<T>::W;
+  constexpr int C = 4, B = 4;  // keys, vectors of d per tile
+  int64_t j = 0;
+  for (; j + C <= n; j += C) {
+    const int64_t* r = rows + j;
+    if (r[0] == r[1] || r[0] == r[2] || r[0] == r[3] || r[1] == r[2] || r[1] == r[3] || r[2] == r[3]) {
+      row_scatter_keys<T>(x + j, A, Gh, D, dst, r, C);
+      continue;
+    }
+    T* o[C];
+    const T* xs[C];
+    for (int c = 0; c < C; ++c) {
+      o[c] = dst + rows[j + c] * D;
+      xs[c] = reinterpret_cast<const T*>(x + j + c);
+    }
+    int64_t d0 = 0;
+    for (; d0 + B * W <= D; d0 += B * W) {
+      V a[C][B];
+      for (int c = 0; c < C; ++c)
+        for (int i = 0; i < B; ++i) a[c][i] = load<T>(o[c] + d0 + i * W);
+      for (int64_t h = 0; h < Gh; ++h) {
+        const T* ah = A + h * D + d0;
+        V r[B];
+        for (int i = 0; i < B; ++i) r[i] = load<T>(ah + i * W);
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) {
+          const V b = V{} + xs[c][h];
+#pragma GCC unroll 4
+          for (int i = 0; i < B; ++i) a[c][i] += b * r[i];
+        }
+      }
+      for (int c = 0; c < C; ++c)
+        for (int i = 0; i < B; ++i) store<T>(o[c] + d0 + i * W, a[c][i]);
+    }
+    for (; d0 + W <= D; d0 += W)
+      for (int c = 0; c < C; ++c) {
+        V a = load<T>(o[c] + d0);
+        for (int64_t h = 0; h < Gh; ++h) a += xs[c][h] * load<T>(A + h * D + d0);
+        store<T>(o[c] + d0, a);
+      }
+    for (; d0 < D; ++d0)
+      for (int c = 0; c < C; ++c) {
+        T a = o[c][d0];
+        for (int64_t h = 0; h < Gh; ++h) a += xs[c][h] * A[h * D + d0];
+        o[c][d0] = a;
+      }
+  }
+  row_scatter_keys<T>(x + j, A, Gh, D, dst, rows + j, n - j);
+}
+
+// The item's heads: h0 = n2 * G + hb * W, Gh = min(W, G - hb * W) active lanes.
+template <typename T> struct Heads {
+  int64_t h0, Gh;
+  Heads(const Args<T>& a, int64_t n2, int64_t hb) : h0(n2 * a.G + hb * Vec<T>::W),
+      Gh(std::min<int64_t>(Vec<T>::W, a.G - hb * Vec<T>::W)) {}
+};
+
+// xT[d][lane] = src[t, h0 + lane, d] (0 on the inactive lanes); rows [W, D] of the same when N is given.
+template <typename T>
+void load_heads(const T* src, int64_t t, int64_t N1, int64_t D, const Heads<T>& h, typename Vec<T>::type* xT,
+                T* N) {
+  const T* base = src + (t * N1 + h.h0) * D;
+  for (int64_t d = 0; d < D; ++d) xT[d] = typename Vec<T>::type{};
+  for (int64_t l = 0; l < h.Gh; ++l)
+    for (int64_t d = 0; d < D; ++d) xT[d][l] = base[l * D + d];
+  if (N != nullptr) {
+    std::fill(N, N + Vec<T>::W * D, T(0));
+    std::copy(base, base + h.Gh * D, N);
+  }
+}
+
+template <typename T> struct Scratch {
+  typedef typename Vec<T>::type V;
+  std::vector<int64_t> rows;
+  std::vector<V> s, dp, xT, yT, oT;
+  std::vector<T> qN, yN;
+  Scratch(int64_t KB, int64_t D, int64_t Dv)
+      : rows(KB), s(KB), dp(KB), xT(D), yT(Dv), oT(std::max(D, Dv)), qN(Vec<T>::W * D), yN(Vec<T>::W * Dv) {}
+};
+
+// Runs fn(item, task, scratch) for every item: items in blocks of 4 dealt round-robin to P tasks, one thread each.
+template <typename T, typename F> void for_items(const Args<T>& a, int64_t P, F fn) {
+  const int64_t items = a.T1 * a.N2 * a.HB, blocks = (items + 3) / 4;
+  auto task = [&](int64_t tid) {
+    Scratch<T> sc(a.K * a.bs, a.D, a.Dv);
+    for (int64_t b = tid; b < blocks; b += P)
+      for (int64_t it = b * 4; it < std::min(items, b * 4 + 4); ++it) fn(it, tid, sc);
+  };
+  // threads of our own: ATen's parallel_for is OpenMP code inlined into the caller, which this build does not
+  // compile with OpenMP
+  std::vector<std::thread> pool;
+  for (int64_t tid = 1; tid < P; ++tid) pool.emplace_back(task, tid);
+  task(0);
+  for (auto& th : pool) th.join();
+}
+
+template <typename T>
+void forward_impl(const Args<T>& a, T* out, T* m, T* l, int64_t P) {
+  typedef typename Vec<T>::type V;
+  constexpr int W = Vec<T>::W;
+  const T big = std::numeric_limits<T>::max(), ninf = -std::numeric_limits<T>::infinity();
+  for_items(a, P, [&](int64_t it, int64_t, Scratch<T>& sc) {
+    const int64_t hb = it % a.HB, n2 = (it / a.HB) % a.N2, t = it / (a.HB * a.N2);
+    const Heads<T> h(a, n2, hb);
+    const int64_t n = visible_rows(a, t, n2, sc.rows.data());
+    T* o = out + (t * a.N1 + h.h0) * a.Dv;
+    if (n == 0) {  // no visible key: out, m, l stay 0
+      return;
+    }
+    load_heads(a.q, t, a.N1, a.D, h, sc.xT.data(), static_cast<T*>(nullptr));
+    V* s = sc.s.data();
+    row_scores<T>(sc.xT.data(), a.D, a.k, sc.rows.data(), n, a.D, s);
+    V mx = V{} + ninf;
+    for (int64_t j = 0; j < n; ++j) {
+      V x = s[j];
+      x = x > big ? V{} + big : x;  // an overflowed +inf score stays finite; NaN stays NaN
+      s[j] = x;
+      mx = (x > mx) | (x != x) ? x : mx;
+    }
+    mx = mx == ninf ? V{} : mx;
+    V sum{};
+    for (int64_t j = 0; j < n; ++j) {
+      V x = s[j] - mx;
+      x = x < a.floor ? V{} + a.floor : x;
+      x = x > T(80) ? V{} + T(80) : x;
+      s[j] = vexp(x);
+      sum += s[j];
+    }
+    row_combine<T>(s, a.v, sc.rows.data(), n, a.Dv, a.Dv, sc.oT.data(), false);
+    V inv;
+    for (int i = 0; i < W; ++i) inv[i] = sum[i] > 0 ? T(1) / sum[i] : T(0);
+    for (int64_t lane = 0; lane < h.Gh; ++lane) {
+      for (int64_t d = 0; d < a.Dv; ++d) o[lane * a.Dv + d] = sc.oT[d][lane] * inv[lane];
+      m[t * a.N1 + h.h0 + lane] = mx[lane];
+      l[t * a.N1 + h.h0 + lane] = sum[lane];
+    }
+  });
+}
+
+template <typename T>
+void backward_impl(const Args<T>& a, const T* dout, const T* lse, const T* delta, T scale, T* dq, T* dk, T* dv,
+                   int64_t rows_kv, int64_t P) {
+  typedef typename Vec<T>::type V;
+  for_items(a, P, [&](int64_t it, int64_t tid, Scratch<T>& sc) {
+    const int64_t hb = it % a.HB, n2 = (it / a.HB) % a.N2, t = it / (a.HB * a.N2);
+    const Heads<T> h(a, n2, hb);
+    const int64_t n = visible_rows(a, t, n2, sc.rows.data());
+    if (n == 0) return;  // dq rows stay 0
+    const int64_t* rows = sc.rows.data();
+    load_heads(a.q, t, a.N1, a.D, h, sc.xT.data(), sc.qN.data());
+    load_heads(dout, t, a.N1, a.Dv, h, sc.yT.data(), sc.yN.data());
+    V ls{}, dl{};
+    for (int64_t lane = 0; lane < h.Gh; ++lane) {
+      ls[lane] = lse[t * a.N1 + h.h0 + lane];
+      dl[lane] = delta[t * a.N1 + h.h0 + lane];
+    }
+    V *p = sc.s.data(), *ds = sc.dp.data();
+    T *dkt = dk + tid * rows_kv * a.D, *dvt = dv + tid * rows_kv * a.Dv;
+    // by blocks of keys, so that each block's key and value rows are read from memory once for all five products
+    for (int64_t j0 = 0; j0 < n; j0 += KEY_BLOCK) {
+      const int64_t nb = std::min(KEY_BLOCK, n - j0);
+      const int64_t* rb = rows + j0;
+      row_scores<T>(sc.xT.data(), a.D, a.k, rb, nb, a.D, p);
+      for (int64_t j = 0; j < nb; ++j) {
+        V x = p[j] - ls;
+        x = x < a.floor ? V{} + a.floor : x;
+        x = x > T(80) ? V{} + T(80) : x;
+        p[j] = vexp(x);
+      }
+      row_scores<T>(sc.yT.data(), a.Dv, a.v, rb, nb, a.Dv, ds);
+      for (int64_t j = 0; j < nb; ++j) ds[j] = (ds[j] - dl) * p[j];
+      row_combine<T>(ds, a.k, rb, nb, a.D, a.D, sc.oT.data(), j0 > 0);
+      row_scatter<T>(ds, sc.qN.data(), h.Gh, a.D, dkt, rb, nb);
+      row_scatter<T>(p, sc.yN.data(), h.Gh, a.Dv, dvt, rb, nb);
+    }
+    T* g = dq + (t * a.N1 + h.h0) * a.D;
+    for (int64_t lane = 0; lane < h.Gh; ++lane)
+      for (int64_t d = 0; d < a.D; ++d) g[lane * a.D + d] = sc.oT[d][lane] * scale;
+  });
+}
+
+template <typename T>
+Args<T> make_args(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& topk,
+                  const torch::Tensor& kv_start, const torch::Tensor& seq_len, const torch::Tensor& pos, int64_t bs,
+                  bool causal, double floor) {
+  Args<T> a;
+  a.q = q.data_ptr<T>();
+  a.k = k.data_ptr<T>();
+  a.v = v.data_ptr<T>();
+  a.topk = topk.data_ptr<int64_t>();
+  a.kv_start = kv_start.data_ptr<int64_t>();
+  a.seq_len = seq_len.data_ptr<int64_t>();
+  a.pos = pos.data_ptr<int64_t>();
+  a.T1 = q.size(0);
+  a.N1 = q.size(1);
+  a.D = q.size(2);
+  a.N2 = k.size(1);
+  a.Dv = v.size(2);
+  a.K = topk.size(2);
+  a.bs = bs;
+  a.G = a.N1 / a.N2;
+  a.HB = (a.G + Vec<T>::W - 1) / Vec<T>::W;
+  a.causal = causal;
+  a.floor = static_cast<T>(floor);
+  return a;
+}
+
+void forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor topk, torch::Tensor kv_start,
+             torch::Tensor seq_len, torch::Tensor pos, int64_t bs, bool causal, double floor, torch::Tensor out,
+             torch::Tensor m, torch::Tensor l, int64_t tasks) {
+  if (q.scalar_type() == torch::kFloat64) {
+    auto a = make_args<double>(q, k, v, topk, kv_start, seq_len, pos, bs, causal, floor);
+    forward_impl(a, out.data_ptr<double>(), m.data_ptr<double>(), l.data_ptr<double>(), tasks);
+  } else {
+    auto a = make_args<float>(q, k, v, topk, kv_start, seq_len, pos, bs, causal, floor);
+    forward_impl(a, out.data_ptr<float>(), m.data_ptr<float>(), l.data_ptr<float>(), tasks);
+  }
+}
+
+void backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor dout, torch::Tensor lse,
+              torch::Tensor delta, torch::Tensor topk, torch::Tensor kv_start, torch::Tensor seq_len,
+              torch::Tensor pos, int64_t bs, bool causal, double floor, double scale, torch::Tensor dq,
+              torch::Tensor dk, torch::Tensor dv, int64_t tasks) {
+  const int64_t rows_kv = k.size(0) * k.size(1);
+  if (q.scalar_type() == torch::kFloat64) {
+    auto a = make_args<double>(q, k, v, topk, kv_start, seq_len, pos, bs, causal, floor);
+    backward_impl(a, dout.data_ptr<double>(), lse.data_ptr<double>(), delta.data_ptr<double>(), scale,
+                  dq.data_ptr<double>(), dk.data_ptr<double>(), dv.data_ptr<double>(), rows_kv, tasks);
+  } else {
+    auto a = make_args<float>(q, k, v, topk, kv_start, seq_len, pos, bs, causal, floor);
+    backward_impl(a, dout.data_ptr<float>(), lse.data_ptr<float>(), delta.data_ptr<float>(),
+                  static_cast<float>(scale), dq.data_ptr<float>(), dk.data_ptr<float>(), dv.data_ptr<float>(),
+                  rows_kv, tasks);
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("forward", &forward, "NSA selected attention forward (CPU, gathered keys per token)");
+  mod.def("backward", &backward, "NSA selected attention backward (CPU, gathered keys per token)");
+}

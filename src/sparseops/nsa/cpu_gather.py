@@ -1,0 +1,170 @@
+"""The C++ CPU path of NSA selected attention: each (query token, KV head) with its gathered keys in the cache and
+its query heads in the lanes of one vector register (``cpu_gather.cpp``; docs/nsa.md, "The C++ CPU path").
+
+The torch paths (:mod:`.torch_impl` for blocks, :mod:`.torch_gather` for token granularity) run every product
+as a torch matmul on gathered copies of the keys; with G query heads per KV head those are ``[G, D] x [D, n]``
+products, far below the matmul rate on a CPU, plus a pass over memory per elementwise op. This path computes a
+token's scores, softmax, ``P V`` and, in the backward, ``dQ`` and its rows of dK / dV in one visit of its keys,
+without copying them. Same contract and numerics as the torch path (fp32 math, float64 for float64; exponents
+clamped to ``[exp_floor, 80]``; a row with no visible key gives 0).
+
+Built on first use with :func:`torch.utils.cpp_extension.load` (about a minute, once per machine: the build is
+cached under ``TORCH_EXTENSIONS_DIR``, keyed by the source and the CPU's features, since it is compiled with
+``-march=native``). When it cannot be built (no C++ compiler) a ``RuntimeWarning`` says so once and the torch
+path runs; ``SPARSEOPS_CPU_KERNELS=0`` or the torch backend's ``cpu_kernels=False`` knob turns it off.
+
+Determinism: dK / dV go into one buffer per task (``tasks``: the torch thread count, fewer when the buffers
+would pass :data:`TASK_BYTES`), each task handles a fixed set of tokens, and the buffers are added in task
+order: repeated calls with the same thread count give the same bits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from .._numerics import exp_floor, row_dot
+from .._varlen import token_seq_positions
+
+_SOURCE = Path(__file__).with_name("cpu_gather.cpp")
+#: the most bytes the per-task dK / dV buffers of one backward may take together
+TASK_BYTES = 1 << 30
+#: dtypes this path takes (fp16 / bf16 inputs are computed in fp32, as on the torch path)
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+_lock = threading.Lock()
+_state: dict = {"module": None, "failed": None}
+
+
+def enabled() -> bool:
+    """Whether the C++ kernels may be used (``SPARSEOPS_CPU_KERNELS`` is not ``0``)."""
+    return os.environ.get("SPARSEOPS_CPU_KERNELS", "1") != "0"
+
+
+def _cpu_tag() -> bytes:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return (flags or platform.processor() or platform.machine()).encode()
+
+
+def _build():
+    from torch.utils.cpp_extension import load
+
+    tag = hashlib.sha256(_SOURCE.read_bytes() + _cpu_tag() + torch.__version__.encode()).hexdigest()[:12]
+    path = os.environ.get("PATH")
+    here = os.path.dirname(sys.executable)  # a venv's ninja (the pip package) when the venv is not activated
+    moved = shutil.which("ninja") is None and shutil.which("ninja", path=here) is not None
+    if moved:
+        os.environ["PATH"] = here + os.pathsep + (path or "")
+    try:
+        return load(name=f"sparseops_nsa_cpu_{tag}", sources=[str(_SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-pthread"], verbose=False)
+    finally:
+        if moved:
+            if path is None:
+                del os.environ["PATH"]
+            else:
+                os.environ["PATH"] = path
+
+
+def _module():
+    """The built extension, or None when it cannot be built (warned once)."""
+    if _state["module"] is not None or _state["failed"] is not None:
+        return _state["module"]
+    with _lock:
+        if _state["module"] is None and _state["failed"] is None:
+            try:
+                _state["module"] = _build()
+            except Exception as exc:  # noqa: BLE001 - any build failure means: the torch path
+                _state["failed"] = f"{type(exc).__name__}: {exc}"
+                warnings.warn(f"sparseops: the C++ CPU kernels of NSA selected attention could not be built "
+                              f"({_state['failed'][:300]}); the torch path runs instead", RuntimeWarning,
+                              stacklevel=3)
+    return _state["module"]
+
+
+def available(q: torch.Tensor) -> bool:
+    """Whether a call with query ``q`` can run here: a CPU tensor of a supported dtype, enabled, and built."""
+    return (q.device.type == "cpu" and q.dtype in DTYPES and enabled() and not torch.compiler.is_compiling()
+            and _module() is not None)
+
+
+def suits(q: torch.Tensor, k: torch.Tensor, bs: int) -> bool:
+    """Whether this path is the faster one for the call's shape: token granularity (the torch path gathers per
+    token too), or at least a vector's lanes of query heads per KV head (16 in fp32, 8 in float64); fewer heads
+    leave lanes idle, where the torch path's block tiles share a block among tokens."""
+    lanes = 8 if q.dtype == torch.float64 else 16
+    return bs < 16 or q.shape[1] // max(1, k.shape[1]) >= lanes
+
+
+def _acc(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _token_rows(T1, cu_q, cu_kv):
+    """Per query token: its sequence's first key row, its key count and its in-sequence position (int64)."""
+    seq, pos = token_seq_positions(cu_q)
+    starts = torch.tensor(cu_kv[:-1], dtype=torch.int64)
+    lens = torch.tensor([b - a for a, b in zip(cu_kv[:-1], cu_kv[1:])], dtype=torch.int64)
+    return starts[seq].contiguous(), lens[seq].contiguous(), pos.contiguous()
+
+
+def _flat(x, acc):
+    return x.to(acc).contiguous()
+
+
+def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
+    """``(out [T1, N1, Dv]`` in q's dtype, ``m [T1, N1]``, ``l [T1, N1])`` (fp32, float64 for float64)."""
+    acc = _acc(q)
+    T1, N1, _ = q.shape
+    Dv = v.shape[2]
+    out = torch.zeros(T1, N1, Dv, dtype=acc)
+    m = torch.zeros(T1, N1, dtype=acc)
+    l = torch.zeros(T1, N1, dtype=acc)
+    if T1 > 0 and k.shape[0] > 0:
+        starts, lens, pos = _token_rows(T1, cu_q, cu_kv)
+        qa = torch.mul(q.to(acc), scale).contiguous()
+        _module().forward(qa, _flat(k, acc), _flat(v, acc), topk.to(torch.int64).contiguous(), starts, lens, pos,
+                          bs, causal, exp_floor(acc), out, m, l, torch.get_num_threads())
+    return out.to(q.dtype), m, l
+
+
+def _tasks(rows_kv: int, D: int, Dv: int, elt: int) -> int:
+    per_task = max(1, rows_kv * (D + Dv) * elt)
+    return max(1, min(torch.get_num_threads(), TASK_BYTES // per_task))
+
+
+def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, deterministic=False):
+    """``(dq, dk, dv)`` in the dtypes of q, k, v, from the forward's ``out`` and stats ``m``, ``l`` ``[T1, N1]``.
+    Always bitwise repeatable for a given thread count (``deterministic`` is accepted for the contract)."""
+    acc = _acc(q)
+    T1, N1, D = q.shape
+    T2, N2, Dv = v.shape
+    dq = torch.zeros(T1, N1, D, dtype=acc)
+    if T1 == 0 or T2 == 0:
+        return dq.to(q.dtype), torch.zeros_like(k), torch.zeros_like(v)
+    elt = torch.finfo(acc).bits // 8
+    P = _tasks(T2 * N2, D, Dv, elt)
+    dk = torch.zeros(P, T2 * N2, D, dtype=acc)
+    dv = torch.zeros(P, T2 * N2, Dv, dtype=acc)
+    starts, lens, pos = _token_rows(T1, cu_q, cu_kv)
+    qa = torch.mul(q.to(acc), scale).contiguous()
+    delta = row_dot(dout, out, acc).contiguous()
+    lse = torch.where(l > 0, m.to(acc) + torch.log(l.to(acc)), 0.0).contiguous()
+    _module().backward(qa, _flat(k, acc), _flat(v, acc), _flat(dout, acc), lse, delta,
+                       topk.to(torch.int64).contiguous(), starts, lens, pos, bs, causal, exp_floor(acc), float(scale),
+                       dq, dk, dv, P)
+    dk = dk[0] if P == 1 else dk.sum(dim=0)
+    dv = dv[0] if P == 1 else dv.sum(dim=0)
+    return dq.to(q.dtype), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype)
