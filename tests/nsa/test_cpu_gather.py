@@ -33,7 +33,7 @@ CASES = [
 @pytest.fixture(autouse=True)
 def _built():
     if not cpu_gather.available(torch.zeros(1)):
-        pytest.skip(f"the C++ CPU kernels are not built here: {cpu_gather._state['failed']}")
+        pytest.skip(f"the C++ CPU kernels are not built here: {cpu_gather.EXTENSION.state['failed']}")
 
 
 def _inputs(case, dtype, seed=0):
@@ -180,7 +180,7 @@ def test_huge_scores_stay_finite():
 def test_failed_build_warns_once_and_the_torch_path_runs(monkeypatch):
     import torch.utils.cpp_extension as ext
 
-    monkeypatch.setattr(cpu_gather, "_state", {"module": None, "failed": None})
+    monkeypatch.setattr(cpu_gather.EXTENSION, "state", {"module": None, "failed": None})
 
     def fail(*_, **__):
         raise OSError("no compiler here")

@@ -7,20 +7,31 @@ largest value ``v`` of a row is found with ``topk``; the keys above ``v`` and th
 to ``v`` (by position) are taken, then ordered by descending score with a stable sort (equal scores stay in
 position order). The returned scores are the chunk's values at those keys; their backward recomputes
 ``w . relu(q . k)`` at the selected keys, again in chunks, and adds ``dk_idx`` with ``index_add_`` in chunk order
-(CPU: index order; bitwise repeatable), ``index_put_(accumulate=True)`` on CUDA.
+(CPU: index order; bitwise repeatable), ``index_put_(accumulate=True)`` on CUDA; on the CPU a C++ kernel does it
+per token with the keys read in place (:data:`EXTENSION`), where it builds.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from .. import _checks
+from .._cpp import Extension
 from .checks import acc_dtype, check_indexer_args
 
 #: bytes of one chunk's score work tensors (forward; the backward's gathered keys off the CPU)
 CHUNK_BYTES = 32 * 2**20
 #: bytes of one chunk's gathered keys in the CPU backward: a few tokens, so that they stay in the cache
 BACKWARD_CHUNK_BYTES = 4 * 2**20
+#: the most bytes the C++ backward's per-thread dk buffers may take together
+TASK_BYTES = 1 << 30
+#: dtypes the C++ backward takes (fp16 / bf16 computed in fp32)
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+#: the score backward on the CPU (``cpu_indexer.cpp``, built on first use; the torch ops where it cannot be)
+EXTENSION = Extension("dsa_indexer", Path(__file__).with_name("cpu_indexer.cpp"), "the DSA indexer")
 
 _NEG_INF = float("-inf")
 
@@ -90,6 +101,21 @@ def _add_rows(buf, rows, src):
         buf.index_add_(0, rows, src)
 
 
+def _cpu_backward(q_idx, k_idx, weights, indices, start, d_scores, acc):
+    """The C++ kernel (``cpu_indexer.cpp``): ``(dq, dk, dw)`` in ``acc``; dk from one buffer per thread, added in
+    thread order (bitwise repeatable for a given thread count)."""
+    T, Hi, Di = q_idx.shape
+    P = max(1, min(torch.get_num_threads(), TASK_BYTES // max(1, k_idx.shape[0] * Di * torch.finfo(acc).bits // 8)))
+    dq = torch.zeros(q_idx.shape, dtype=acc)
+    dk = torch.zeros(P, *k_idx.shape, dtype=acc)
+    dw = torch.zeros(weights.shape, dtype=acc)
+    g = d_scores.to(acc).contiguous()
+    EXTENSION.module().backward(q_idx.to(acc).contiguous(), k_idx.to(acc).contiguous(),
+                                weights.to(acc).contiguous(), indices.to(torch.int64).contiguous(),
+                                start.contiguous(), g, dq, dk, dw, P)
+    return dq, dk[0] if P == 1 else dk.sum(dim=0), dw
+
+
 class _IndexerTopk(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_idx, k_idx, weights, topk, cu, causal):
@@ -111,6 +137,9 @@ class _IndexerTopk(torch.autograd.Function):
         dk = torch.zeros(k_idx.shape, dtype=acc, device=q_idx.device)
         dw = torch.zeros(weights.shape, dtype=acc, device=q_idx.device)
         if T == 0 or d_scores is None:
+            return dq.to(q_idx.dtype), dk.to(k_idx.dtype), dw.to(weights.dtype), None, None, None
+        if q_idx.dtype in DTYPES and EXTENSION.available(q_idx):
+            dq, dk, dw = _cpu_backward(q_idx, k_idx, weights, indices, start, d_scores, acc)
             return dq.to(q_idx.dtype), dk.to(k_idx.dtype), dw.to(weights.dtype), None, None, None
         elt = torch.finfo(acc).bits // 8
         budget = BACKWARD_CHUNK_BYTES if q_idx.device.type == "cpu" else CHUNK_BYTES

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import _checks
+from ..nsa import cpu_gather
 from .checks import DTYPES, acc_dtype, check_positions, cu_seqlens_list
 
 #: bytes of one chunk's gathered keys and logits while computing the target, on the CPU (a few tokens: they stay
@@ -46,6 +47,8 @@ def _check(q, k, indices, scores, scale, head_num, cu_seqlens):
 @torch.no_grad()
 def _target(q, k, indices, scale, cu):
     """``p [T, topk]``: the head-averaged softmax of ``scale * q . k`` over each token's selected keys (0 at -1)."""
+    if cpu_gather.available(q):  # the C++ kernel: each token's keys read in place, its heads in vector lanes
+        return cpu_gather.head_mean_probs(q, k, indices, scale, cu)
     T, N1, D = q.shape
     N2 = k.shape[1]
     G, topk = N1 // N2, indices.shape[1]

@@ -16,58 +16,24 @@
 // items are fixed by the item index alone: the backward is bitwise repeatable for a given thread count.
 #include <torch/extension.h>
 
+#include "cpu.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <thread>
 #include <vector>
 
 namespace {
 
+using sparseops_simd::load;
+using sparseops_simd::prefetch_row;
+using sparseops_simd::store;
+using sparseops_simd::Vec;
+using sparseops_simd::vexp;
+
 // keys per block of the backward's fused products
 constexpr int64_t KEY_BLOCK = 64;
-
-template <typename T> struct Vec;
-template <> struct Vec<float> {
-  typedef float type __attribute__((vector_size(64)));
-  typedef int itype __attribute__((vector_size(64)));
-  static constexpr int W = 16;
-};
-template <> struct Vec<double> {
-  typedef double type __attribute__((vector_size(64)));
-  typedef long long itype __attribute__((vector_size(64)));
-  static constexpr int W = 8;
-};
-
-template <typename T> inline typename Vec<T>::type load(const T* p) {
-  typename Vec<T>::type x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
-template <typename T> inline void store(T* p, typename Vec<T>::type x) { std::memcpy(p, &x, sizeof(x)); }
-
-// exp of each lane for arguments in [-80, 80] (the callers clamp): Cephes' expf polynomial (about 1 ulp).
-inline Vec<float>::type vexp(Vec<float>::type x) {
-  typedef Vec<float>::type V;
-  typedef Vec<float>::itype I;
-  const V magic = V{} + 12582912.0f;  // 1.5 * 2^23: adding and subtracting rounds to the nearest integer
-  V n = (x * 1.44269504088896341f + magic) - magic;
-  V r = x - n * 0.693359375f - n * -2.12194440e-4f;
-  V z = r * r;
-  V y = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r +
-         1.6666665459e-1f) * r + 5.0000001201e-1f;
-  y = y * z + r + 1.0f;
-  I e = (__builtin_convertvector(n, I) + 127) << 23;
-  V scale;
-  std::memcpy(&scale, &e, sizeof(scale));
-  return y * scale;
-}
-// float64 is the testing dtype: the library's exp, lane by lane.
-inline Vec<double>::type vexp(Vec<double>::type x) {
-  for (int i = 0; i < Vec<double>::W; ++i) x[i] = std::exp(x[i]);
-  return x;
-}
 
 template <typename T> struct Args {
   const T *q, *k, *v;
@@ -102,6 +68,7 @@ void row_scores(const typename Vec<T>::type* xT, int64_t D, const T* base, const
   for (; j + 8 <= n; j += 8) {
     const T* r[8];
     for (int i = 0; i < 8; ++i) r[i] = base + rows[j + i] * ld;
+    for (int64_t i = j + 8; i < std::min(n, j + 16); ++i) prefetch_row(base + rows[i] * ld, D);
     V a0{}, a1{}, a2{}, a3{}, a4{}, a5{}, a6{}, a7{};
     for (int64_t d = 0; d < D; ++d) {
       const V x = xT[d];
@@ -196,6 +163,7 @@ void row_scatter(const typename Vec<T>::type* x, const T* A, int64_t Gh, int64_t
       o[c] = dst + rows[j + c] * D;
       xs[c] = reinterpret_cast<const T*>(x + j + c);
     }
+    for (int64_t i = j + C; i < std::min(n, j + 2 * C); ++i) prefetch_row(dst + rows[i] * D, D, true);
     int64_t d0 = 0;
     for (; d0 + B * W <= D; d0 += B * W) {
       V a[C][B];
@@ -234,8 +202,8 @@ void row_scatter(const typename Vec<T>::type* x, const T* A, int64_t Gh, int64_t
 // The item's heads: h0 = n2 * G + hb * W, Gh = min(W, G - hb * W) active lanes.
 template <typename T> struct Heads {
   int64_t h0, Gh;
-  Heads(const Args<T>& a, int64_t n2, int64_t hb) : h0(n2 * a.G + hb * Vec<T>::W),
-      Gh(std::min<int64_t>(Vec<T>::W, a.G - hb * Vec<T>::W)) {}
+  Heads(int64_t G, int64_t n2, int64_t hb) : h0(n2 * G + hb * Vec<T>::W),
+      Gh(std::min<int64_t>(Vec<T>::W, G - hb * Vec<T>::W)) {}
 };
 
 // xT[d][lane] = src[t, h0 + lane, d] (0 on the inactive lanes); rows [W, D] of the same when N is given.
@@ -264,17 +232,11 @@ template <typename T> struct Scratch {
 // Runs fn(item, task, scratch) for every item: items in blocks of 4 dealt round-robin to P tasks, one thread each.
 template <typename T, typename F> void for_items(const Args<T>& a, int64_t P, F fn) {
   const int64_t items = a.T1 * a.N2 * a.HB, blocks = (items + 3) / 4;
-  auto task = [&](int64_t tid) {
+  sparseops_simd::run_tasks(P, [&](int64_t tid) {
     Scratch<T> sc(a.K * a.bs, a.D, a.Dv);
     for (int64_t b = tid; b < blocks; b += P)
       for (int64_t it = b * 4; it < std::min(items, b * 4 + 4); ++it) fn(it, tid, sc);
-  };
-  // threads of our own: ATen's parallel_for is OpenMP code inlined into the caller, which this build does not
-  // compile with OpenMP
-  std::vector<std::thread> pool;
-  for (int64_t tid = 1; tid < P; ++tid) pool.emplace_back(task, tid);
-  task(0);
-  for (auto& th : pool) th.join();
+  });
 }
 
 template <typename T>
@@ -284,7 +246,7 @@ void forward_impl(const Args<T>& a, T* out, T* m, T* l, int64_t P) {
   const T big = std::numeric_limits<T>::max(), ninf = -std::numeric_limits<T>::infinity();
   for_items(a, P, [&](int64_t it, int64_t, Scratch<T>& sc) {
     const int64_t hb = it % a.HB, n2 = (it / a.HB) % a.N2, t = it / (a.HB * a.N2);
-    const Heads<T> h(a, n2, hb);
+    const Heads<T> h(a.G, n2, hb);
     const int64_t n = visible_rows(a, t, n2, sc.rows.data());
     T* o = out + (t * a.N1 + h.h0) * a.Dv;
     if (n == 0) {  // no visible key: out, m, l stay 0
@@ -326,7 +288,7 @@ void backward_impl(const Args<T>& a, const T* dout, const T* lse, const T* delta
   typedef typename Vec<T>::type V;
   for_items(a, P, [&](int64_t it, int64_t tid, Scratch<T>& sc) {
     const int64_t hb = it % a.HB, n2 = (it / a.HB) % a.N2, t = it / (a.HB * a.N2);
-    const Heads<T> h(a, n2, hb);
+    const Heads<T> h(a.G, n2, hb);
     const int64_t n = visible_rows(a, t, n2, sc.rows.data());
     if (n == 0) return;  // dq rows stay 0
     const int64_t* rows = sc.rows.data();
@@ -360,6 +322,76 @@ void backward_impl(const Args<T>& a, const T* dout, const T* lse, const T* delta
     for (int64_t lane = 0; lane < h.Gh; ++lane)
       for (int64_t d = 0; d < a.D; ++d) g[lane * a.D + d] = sc.oT[d][lane] * scale;
   });
+}
+
+// p[t, i] = (1 / N1) sum_h softmax_i(s[t, h, :]) over the slots i of indices[t] that are not -1 (0 at -1): the
+// attention's head-averaged distribution over a token's selected keys, the DSA indexer loss's target. One item
+// per token (all its KV heads), so each row of p is written by one task.
+template <typename T>
+void head_mean_impl(const T* q, const T* k, const int64_t* ids, const int64_t* start, int64_t T1, int64_t N1,
+                    int64_t N2, int64_t D, int64_t K, T floor, T* p, int64_t P) {
+  typedef typename Vec<T>::type V;
+  constexpr int W = Vec<T>::W;
+  const int64_t G = N1 / N2, HB = (G + W - 1) / W, blocks = (T1 + 3) / 4;
+  const T big = std::numeric_limits<T>::max(), ninf = -std::numeric_limits<T>::infinity();
+  sparseops_simd::run_tasks(P, [&](int64_t tid) {
+    std::vector<int64_t> key(K), rows(K), slot(K);
+    std::vector<V> s(K), xT(D);
+    for (int64_t b = tid; b < blocks; b += P)
+      for (int64_t t = b * 4; t < std::min(T1, b * 4 + 4); ++t) {
+        int64_t n = 0;
+        for (int64_t i = 0; i < K; ++i)
+          if (ids[t * K + i] >= 0) {
+            key[n] = start[t] + ids[t * K + i];
+            slot[n++] = i;
+          }
+        T* pt = p + t * K;
+        for (int64_t n2 = 0; n2 < N2 && n > 0; ++n2) {
+          for (int64_t j = 0; j < n; ++j) rows[j] = key[j] * N2 + n2;
+          for (int64_t hb = 0; hb < HB; ++hb) {
+            const Heads<T> h(G, n2, hb);
+            load_heads(q, t, N1, D, h, xT.data(), static_cast<T*>(nullptr));
+            row_scores<T>(xT.data(), D, k, rows.data(), n, D, s.data());
+            V mx = V{} + ninf;
+            for (int64_t j = 0; j < n; ++j) {
+              V x = s[j];
+              x = x > big ? V{} + big : x;
+              s[j] = x;
+              mx = (x > mx) | (x != x) ? x : mx;
+            }
+            mx = mx == ninf ? V{} : mx;
+            V sum{};
+            for (int64_t j = 0; j < n; ++j) {
+              V x = s[j] - mx;
+              x = x < floor ? V{} + floor : x;
+              x = x > T(80) ? V{} + T(80) : x;
+              s[j] = vexp(x);
+              sum += s[j];
+            }
+            V inv{};
+            for (int64_t lane = 0; lane < h.Gh; ++lane) inv[lane] = sum[lane] > 0 ? T(1) / (sum[lane] * N1) : T(0);
+            for (int64_t j = 0; j < n; ++j) {
+              const V x = s[j] * inv;
+              T acc = 0;
+              for (int64_t lane = 0; lane < h.Gh; ++lane) acc += x[lane];
+              pt[slot[j]] += acc;
+            }
+          }
+        }
+      }
+  });
+}
+
+void head_mean_probs(torch::Tensor q, torch::Tensor k, torch::Tensor ids, torch::Tensor start, double floor,
+                     torch::Tensor p, int64_t tasks) {
+  const int64_t T1 = q.size(0), N1 = q.size(1), D = q.size(2), N2 = k.size(1), K = ids.size(1);
+  if (q.scalar_type() == torch::kFloat64)
+    head_mean_impl<double>(q.data_ptr<double>(), k.data_ptr<double>(), ids.data_ptr<int64_t>(),
+                           start.data_ptr<int64_t>(), T1, N1, N2, D, K, floor, p.data_ptr<double>(), tasks);
+  else
+    head_mean_impl<float>(q.data_ptr<float>(), k.data_ptr<float>(), ids.data_ptr<int64_t>(),
+                          start.data_ptr<int64_t>(), T1, N1, N2, D, K, static_cast<float>(floor),
+                          p.data_ptr<float>(), tasks);
 }
 
 template <typename T>
@@ -422,4 +454,5 @@ void backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor d
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("forward", &forward, "NSA selected attention forward (CPU, gathered keys per token)");
   mod.def("backward", &backward, "NSA selected attention backward (CPU, gathered keys per token)");
+  mod.def("head_mean_probs", &head_mean_probs, "head-averaged softmax over each token's selected keys (CPU)");
 }

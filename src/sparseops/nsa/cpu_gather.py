@@ -8,10 +8,8 @@ token's scores, softmax, ``P V`` and, in the backward, ``dQ`` and its rows of dK
 without copying them. Same contract and numerics as the torch path (fp32 math, float64 for float64; exponents
 clamped to ``[exp_floor, 80]``; a row with no visible key gives 0).
 
-Built on first use with :func:`torch.utils.cpp_extension.load` (about a minute, once per machine: the build is
-cached under ``TORCH_EXTENSIONS_DIR``, keyed by the source and the CPU's features, since it is compiled with
-``-march=native``). When it cannot be built (no C++ compiler) a ``RuntimeWarning`` says so once and the torch
-path runs; ``SPARSEOPS_CPU_KERNELS=0`` or the torch backend's ``cpu_kernels=False`` knob turns it off.
+Built on first use (:mod:`sparseops._cpp`); when it cannot be built the torch path runs.
+``SPARSEOPS_CPU_KERNELS=0`` or the torch backend's ``cpu_kernels=False`` knob turns it off.
 
 Determinism: dK / dV go into one buffer per task (``tasks``: the torch thread count, fewer when the buffers
 would pass :data:`TASK_BYTES`), each task handles a fixed set of tokens, and the buffers are added in task
@@ -20,84 +18,29 @@ order: repeated calls with the same thread count give the same bits.
 
 from __future__ import annotations
 
-import hashlib
-import os
-import platform
-import shutil
-import sys
-import threading
-import warnings
 from pathlib import Path
 
 import torch
 
+from .._cpp import Extension
 from .._numerics import exp_floor, row_dot
 from .._varlen import token_seq_positions
 
-_SOURCE = Path(__file__).with_name("cpu_gather.cpp")
 #: the most bytes the per-task dK / dV buffers of one backward may take together
 TASK_BYTES = 1 << 30
 #: dtypes this path takes (fp16 / bf16 inputs are computed in fp32, as on the torch path)
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
-_lock = threading.Lock()
-_state: dict = {"module": None, "failed": None}
-
-
-def enabled() -> bool:
-    """Whether the C++ kernels may be used (``SPARSEOPS_CPU_KERNELS`` is not ``0``)."""
-    return os.environ.get("SPARSEOPS_CPU_KERNELS", "1") != "0"
-
-
-def _cpu_tag() -> bytes:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return (flags or platform.processor() or platform.machine()).encode()
-
-
-def _build():
-    from torch.utils.cpp_extension import load
-
-    tag = hashlib.sha256(_SOURCE.read_bytes() + _cpu_tag() + torch.__version__.encode()).hexdigest()[:12]
-    path = os.environ.get("PATH")
-    here = os.path.dirname(sys.executable)  # a venv's ninja (the pip package) when the venv is not activated
-    moved = shutil.which("ninja") is None and shutil.which("ninja", path=here) is not None
-    if moved:
-        os.environ["PATH"] = here + os.pathsep + (path or "")
-    try:
-        return load(name=f"sparseops_nsa_cpu_{tag}", sources=[str(_SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-pthread"], verbose=False)
-    finally:
-        if moved:
-            if path is None:
-                del os.environ["PATH"]
-            else:
-                os.environ["PATH"] = path
+EXTENSION = Extension("nsa_cpu", Path(__file__).with_name("cpu_gather.cpp"), "NSA selected attention")
 
 
 def _module():
-    """The built extension, or None when it cannot be built (warned once)."""
-    if _state["module"] is not None or _state["failed"] is not None:
-        return _state["module"]
-    with _lock:
-        if _state["module"] is None and _state["failed"] is None:
-            try:
-                _state["module"] = _build()
-            except Exception as exc:  # noqa: BLE001 - any build failure means: the torch path
-                _state["failed"] = f"{type(exc).__name__}: {exc}"
-                warnings.warn(f"sparseops: the C++ CPU kernels of NSA selected attention could not be built "
-                              f"({_state['failed'][:300]}); the torch path runs instead", RuntimeWarning,
-                              stacklevel=3)
-    return _state["module"]
+    return EXTENSION.module()
 
 
 def available(q: torch.Tensor) -> bool:
     """Whether a call with query ``q`` can run here: a CPU tensor of a supported dtype, enabled, and built."""
-    return (q.device.type == "cpu" and q.dtype in DTYPES and enabled() and not torch.compiler.is_compiling()
-            and _module() is not None)
+    return q.dtype in DTYPES and EXTENSION.available(q)
 
 
 def suits(q: torch.Tensor, k: torch.Tensor, bs: int) -> bool:
@@ -168,3 +111,18 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     dk = dk[0] if P == 1 else dk.sum(dim=0)
     dv = dv[0] if P == 1 else dv.sum(dim=0)
     return dq.to(q.dtype), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype)
+
+
+def head_mean_probs(q, k, indices, scale, cu):
+    """``p [T, topk]`` (fp32, float64 for float64): the head-averaged softmax of ``scale * q . k`` over each token's
+    selected keys ``indices [T, topk]`` (in-sequence positions, -1 unused: 0 there), the DSA indexer loss's target
+    (:mod:`sparseops.dsa.loss`); ``k [T, N2, D]`` by KV head."""
+    acc = _acc(q)
+    T = q.shape[0]
+    p = torch.zeros(T, indices.shape[1], dtype=acc)
+    if T > 0:
+        start, _, _ = _token_rows(T, cu, cu)
+        qa = torch.mul(q.to(acc), scale).contiguous()
+        _module().head_mean_probs(qa, _flat(k, acc), indices.to(torch.int64).contiguous(), start, exp_floor(acc), p,
+                                  torch.get_num_threads())
+    return p

@@ -1,0 +1,89 @@
+"""The C++ CPU kernels: built on first use with torch's own ``torch.utils.cpp_extension.load`` (docs/internals.md).
+
+Each :class:`Extension` is one C++ source (with the shared header ``csrc/cpu.h``), compiled with ``-O3
+-march=native`` the first time a call needs it: about 40 s, once per machine, cached under torch's
+``TORCH_EXTENSIONS_DIR`` and named by a hash of the sources, the CPU's feature flags and the torch version (a
+build for another CPU or torch is never reused). When it cannot be built (no C++ compiler, no ninja) a
+``RuntimeWarning`` says so once and the callers run their torch ops; ``SPARSEOPS_CPU_KERNELS=0`` turns every
+extension off. Nothing is built at import time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+_CSRC = Path(__file__).with_name("csrc")
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-pthread"]
+
+
+def enabled() -> bool:
+    """Whether the C++ kernels may be used (``SPARSEOPS_CPU_KERNELS`` is not ``0``)."""
+    return os.environ.get("SPARSEOPS_CPU_KERNELS", "1") != "0"
+
+
+def _cpu_tag() -> bytes:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return (flags or platform.processor() or platform.machine()).encode()
+
+
+class Extension:
+    """One C++ source built on first use: :meth:`module` returns it, or None when it cannot be built."""
+
+    def __init__(self, name: str, source: Path, what: str):
+        self.name, self.source, self.what = name, source, what
+        self.state: dict = {"module": None, "failed": None}
+        self._lock = threading.Lock()
+
+    def _build(self):
+        from torch.utils.cpp_extension import load
+
+        text = self.source.read_bytes() + b"".join(p.read_bytes() for p in sorted(_CSRC.glob("*.h")))
+        tag = hashlib.sha256(text + _cpu_tag() + torch.__version__.encode()).hexdigest()[:12]
+        path = os.environ.get("PATH")
+        here = os.path.dirname(sys.executable)  # a venv's ninja (the pip package) when the venv is not activated
+        moved = shutil.which("ninja") is None and shutil.which("ninja", path=here) is not None
+        if moved:
+            os.environ["PATH"] = here + os.pathsep + (path or "")
+        try:
+            return load(name=f"sparseops_{self.name}_{tag}", sources=[str(self.source)],
+                        extra_include_paths=[str(_CSRC)], extra_cflags=_FLAGS, verbose=False)
+        finally:
+            if moved:
+                if path is None:
+                    del os.environ["PATH"]
+                else:
+                    os.environ["PATH"] = path
+
+    def module(self):
+        """The built extension, or None when it cannot be built (warned once)."""
+        st = self.state
+        if st["module"] is not None or st["failed"] is not None:
+            return st["module"]
+        with self._lock:
+            if st["module"] is None and st["failed"] is None:
+                try:
+                    st["module"] = self._build()
+                except Exception as exc:  # noqa: BLE001 - any build failure means: the torch ops
+                    st["failed"] = f"{type(exc).__name__}: {exc}"
+                    warnings.warn(f"sparseops: the C++ CPU kernels of {self.what} could not be built "
+                                  f"({st['failed'][:300]}); the torch ops run instead", RuntimeWarning,
+                                  stacklevel=3)
+        return st["module"]
+
+    def available(self, x: torch.Tensor) -> bool:
+        """Whether a call on ``x`` can run here: a CPU tensor, enabled, not while ``torch.compile`` traces, built."""
+        return (x.device.type == "cpu" and enabled() and not torch.compiler.is_compiling()
+                and self.module() is not None)
