@@ -5,7 +5,17 @@ import pytest
 import torch
 
 from sparseops.dsa import index_scores, indexer, indexer_topk
+from sparseops.nsa import cpu_gather
 from sparseops.testing import assert_close
+
+
+@pytest.fixture(autouse=True, params=["cpu-kernels", "torch-ops"])
+def _path(request, monkeypatch):
+    """Every test on both CPU paths: the C++ kernels (where they build) and the torch ops."""
+    if request.param == "torch-ops":
+        monkeypatch.setenv("SPARSEOPS_CPU_KERNELS", "0")
+    elif not cpu_gather.available(torch.zeros(1)):
+        pytest.skip("the C++ CPU kernels are not built here")
 
 
 def _inputs(T, Hi=3, Di=8, dtype=torch.float64, seed=0, ties=False):
@@ -88,8 +98,14 @@ def test_low_precision_scores_are_fp32(dtype):
     dense = index_scores(q, k, w)
     live = idx >= 0
     assert_close(sc[live], dense.gather(1, idx.long().clamp(min=0))[live], torch.float32)
-    sc[live].sum().backward()
+    g = torch.randn(sc.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    (sc.masked_fill(~live, 0) * g).sum().backward()
     assert q.grad.dtype == dtype and k.grad.dtype == dtype
+    q64, k64, w64 = (t.detach().double().requires_grad_() for t in (q, k, w))
+    d64 = index_scores(q64, k64, w64).gather(1, idx.long().clamp(min=0)).masked_fill(~live, 0)
+    want = torch.autograd.grad((d64 * g).sum(), (q64, k64, w64))
+    for name, got, exp in zip(("dq_idx", "dk_idx", "dweights"), (q.grad, k.grad, w.grad), want):
+        assert_close(got, exp, dtype, name=name)
 
 
 def test_backward_bitwise_repeatable():
