@@ -104,6 +104,7 @@ void row_combine(const typename Vec<T>::type* p, const T* base, const int64_t* r
     if (add)
       for (int i = 0; i < B; ++i) a[i] = outT[d0 + i];
     for (int64_t j = 0; j < n; ++j) {
+      if (d0 == 0 && j + 8 < n) prefetch_row(base + rows[j + 8] * ld, Dv);  // the first pass meets each row first
       const V pj = p[j];
       const T* r = base + rows[j] * ld + d0;
 #pragma GCC unroll 16
