@@ -14,7 +14,7 @@ def _path(request, monkeypatch):
     """Every test on both CPU paths: the C++ kernels (where they build) and the torch ops."""
     if request.param == "torch-ops":
         monkeypatch.setenv("SPARSEOPS_CPU_KERNELS", "0")
-    elif not cpu_gather.available(torch.zeros(1)):
+    elif not (cpu_gather.available(torch.zeros(1)) and indexer.EXTENSION.available(torch.zeros(1))):
         pytest.skip("the C++ CPU kernels are not built here")
 
 

@@ -4,7 +4,7 @@ gradient to the scores only, varlen, GQA, -1 slots, the dense warm-up selection,
 import pytest
 import torch
 
-from sparseops.dsa import indexer_kl_loss, indexer_topk, loss
+from sparseops.dsa import indexer, indexer_kl_loss, indexer_topk, loss
 from sparseops.nsa import cpu_gather
 from sparseops.testing import assert_close
 
@@ -14,7 +14,7 @@ def _path(request, monkeypatch):
     """Every test on both CPU paths: the C++ kernels (where they build) and the torch ops."""
     if request.param == "torch-ops":
         monkeypatch.setenv("SPARSEOPS_CPU_KERNELS", "0")
-    elif not cpu_gather.available(torch.zeros(1)):
+    elif not (cpu_gather.available(torch.zeros(1)) and indexer.EXTENSION.available(torch.zeros(1))):
         pytest.skip("the C++ CPU kernels are not built here")
 
 

@@ -7,8 +7,9 @@ largest value ``v`` of a row is found with ``topk``; the keys above ``v`` and th
 to ``v`` (by position) are taken, then ordered by descending score with a stable sort (equal scores stay in
 position order). The returned scores are the chunk's values at those keys; their backward recomputes
 ``w . relu(q . k)`` at the selected keys, again in chunks, and adds ``dk_idx`` with ``index_add_`` in chunk order
-(CPU: index order; bitwise repeatable), ``index_put_(accumulate=True)`` on CUDA; on the CPU a C++ kernel does it
-per token with the keys read in place (:data:`EXTENSION`), where it builds.
+(CPU: index order; bitwise repeatable), ``index_put_(accumulate=True)`` on CUDA. On the CPU C++ kernels do both
+(:data:`EXTENSION`, where it builds): the scores of a row with its keys in vector lanes and an exact
+``nth_element`` selection, and the backward per token with its keys read in place.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from .. import _checks
 from .._cpp import Extension
+from .._varlen import token_seq_positions
 from .checks import acc_dtype, check_indexer_args
 
 #: bytes of one chunk's score work tensors (forward; the backward's gathered keys off the CPU)
@@ -62,10 +64,31 @@ def _chunk_scores(q, k, w, acc, dots_buf, sc_buf):
     return torch.bmm(w.to(acc).view(C, 1, Hi), dots, out=sc_buf[:C * S].view(C, 1, S)).view(C, S)
 
 
+def _cpu_select(q_idx, k_idx, weights, topk, cu, causal, acc):
+    """:func:`_select` by the C++ kernel (``cpu_indexer.cpp``): each row's scores with the keys in vector lanes
+    (the keys transposed once, with two vectors of padding), then an exact ``nth_element`` selection."""
+    T, Hi, Di = q_idx.shape
+    indices = torch.full((T, topk), -1, dtype=torch.int32)
+    scores = torch.full((T, topk), _NEG_INF, dtype=acc)
+    if T == 0:
+        return indices, scores
+    kT = torch.zeros(Di, T + 32, dtype=acc)
+    kT[:, :T] = k_idx.to(acc).T
+    seq, pos = token_seq_positions(cu)
+    start = torch.tensor(cu[:-1], dtype=torch.int64)[seq]
+    lens = torch.tensor(cu, dtype=torch.int64).diff()[seq]
+    nvis = (pos + 1 if causal else lens).contiguous()
+    EXTENSION.module().select(q_idx.to(acc).contiguous(), kT, weights.to(acc).contiguous(), start.contiguous(), nvis,
+                              indices, scores, torch.get_num_threads())
+    return indices, scores
+
+
 def _select(q_idx, k_idx, weights, topk, cu, causal):
     """``(indices int32 [T, topk], scores [T, topk])``, -1 / -inf in unused slots."""
     T, Hi, _ = q_idx.shape
     acc = acc_dtype(q_idx.dtype)
+    if q_idx.dtype in DTYPES and EXTENSION.available(q_idx):
+        return _cpu_select(q_idx, k_idx, weights, topk, cu, causal, acc)
     dev = q_idx.device
     indices = torch.full((T, topk), -1, dtype=torch.int32, device=dev)
     scores = torch.full((T, topk), _NEG_INF, dtype=acc, device=dev)
