@@ -12,6 +12,7 @@
 #include "cpu.h"
 
 #include <algorithm>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <utility>
@@ -73,6 +74,103 @@ void backward_impl(const T* q, const T* k, const T* w, const int64_t* ids, const
   });
 }
 
+// Keys that order like the scores (their bits, sign-flipped), and a (key, position) record whose ascending order
+// is: score descending, then position ascending (fp32: packed in one 64-bit word).
+template <typename T> struct Keys;
+template <> struct Keys<float> {
+  typedef uint32_t K;
+  typedef uint64_t Pick;
+  static K key(float x) {
+    x += 0.0f;  // -0 and +0 are one score (a tie), so one key
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  }
+  static Pick pick(K k, int64_t pos) { return (uint64_t(K(~k)) << 32) | uint64_t(pos); }
+  static int64_t pos(Pick p) { return int64_t(p & 0xffffffffu); }
+};
+template <> struct Keys<double> {
+  typedef uint64_t K;
+  typedef std::pair<uint64_t, int64_t> Pick;
+  static K key(double x) {
+    x += 0.0;
+    uint64_t u;
+    std::memcpy(&u, &x, 8);
+    return (u >> 63) ? ~u : (u | (uint64_t(1) << 63));
+  }
+  static Pick pick(K k, int64_t pos) { return {~k, pos}; }
+  static int64_t pos(const Pick& p) { return p.second; }
+};
+
+// The kk-th largest of n keys, exactly: a radix select, 11 bits per counting pass from the top.
+template <typename K> K kth_largest(const K* key, int64_t n, int64_t kk, std::vector<uint32_t>& hist) {
+  constexpr int bits = 8 * sizeof(K);
+  K prefix = 0, mask = 0;
+  for (int hi = bits; hi > 0; hi -= 11) {
+    const int width = std::min(11, hi), sh = hi - width;
+    const K buckets = K(1) << width;
+    std::fill(hist.begin(), hist.begin() + buckets, 0u);
+    for (int64_t i = 0; i < n; ++i)
+      if ((key[i] & mask) == prefix) ++hist[(key[i] >> sh) & (buckets - 1)];
+    K b = buckets;
+    while (b-- > 0) {  // from the top bucket down to the one holding the kk-th
+      if (int64_t(hist[b]) >= kk) break;
+      kk -= hist[b];
+    }
+    prefix |= b << sh;
+    mask |= (buckets - 1) << sh;
+  }
+  return prefix;
+}
+
+// out[r][s] = sum_h w_r[h] * relu(q_r[h] . k[s]) for the R query rows r of one sequence and its first nk keys
+// (kT + start: the sequence's keys transposed, [Di, ld]); the keys in vector lanes, 2 vectors x 4 heads x R
+// queries of accumulators, so that each load of the keys serves 4 R FMAs. Writes up to 2 W - 1 past nk.
+template <typename T, int R>
+void index_scores(const T* const* qs, const T* const* ws, const T* base, int64_t ld, int64_t Hi, int64_t Di,
+                  int64_t nk, T* const* out) {
+  typedef typename Vec<T>::type V;
+  constexpr int W = Vec<T>::W;
+  for (int64_t s0 = 0; s0 < nk; s0 += 2 * W) {
+    V acc[R][2] = {};
+    int64_t h = 0;
+    for (; h + 4 <= Hi; h += 4) {
+      V a[R][4][2] = {};
+      for (int64_t d = 0; d < Di; ++d) {
+        const V k0 = load<T>(base + d * ld + s0), k1 = load<T>(base + d * ld + s0 + W);
+#pragma GCC unroll 2
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+          for (int c = 0; c < 4; ++c) {
+            const T x = qs[r][(h + c) * Di + d];
+            a[r][c][0] += x * k0;
+            a[r][c][1] += x * k1;
+          }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 4; ++c) {
+          acc[r][0] += ws[r][h + c] * (a[r][c][0] > 0 ? a[r][c][0] : V{});
+          acc[r][1] += ws[r][h + c] * (a[r][c][1] > 0 ? a[r][c][1] : V{});
+        }
+    }
+    for (; h < Hi; ++h)
+      for (int r = 0; r < R; ++r) {
+        V a0{}, a1{};
+        for (int64_t d = 0; d < Di; ++d) {
+          const T x = qs[r][h * Di + d];
+          a0 += x * load<T>(base + d * ld + s0);
+          a1 += x * load<T>(base + d * ld + s0 + W);
+        }
+        acc[r][0] += ws[r][h] * (a0 > 0 ? a0 : V{});
+        acc[r][1] += ws[r][h] * (a1 > 0 ? a1 : V{});
+      }
+    for (int r = 0; r < R; ++r) {
+      store<T>(out[r] + s0, acc[r][0]);
+      store<T>(out[r] + s0 + W, acc[r][1]);
+    }
+  }
+}
+
 // The exact top-k of each query row: I[s] = sum_h w[t, h] * relu(q[t, h] . k[s]) over the row's visible keys (the
 // sequence's first nk), keys in the lanes of a vector (kT: the keys transposed, [Di, ld] with at least W columns
 // of padding); the kk = min(topk, nk) largest, ties to the smaller position, in descending score with equal
@@ -80,79 +178,62 @@ void backward_impl(const T* q, const T* k, const T* w, const int64_t* ids, const
 template <typename T>
 void select_impl(const T* q, const T* kT, int64_t ld, const T* w, const int64_t* start, const int64_t* nvis,
                  int64_t T1, int64_t Hi, int64_t Di, int64_t topk, int32_t* out_idx, T* out_sc, int64_t P) {
-  typedef typename Vec<T>::type V;
   constexpr int W = Vec<T>::W;
   const int64_t blocks = (T1 + 3) / 4;
   const T ninf = -std::numeric_limits<T>::infinity();
   int64_t most = 0;
   for (int64_t t = 0; t < T1; ++t) most = std::max(most, nvis[t]);
   sparseops_simd::run_tasks(P, [&](int64_t tid) {
-    std::vector<T> sc(most + W), tmp(most);
-    std::vector<std::pair<T, int64_t>> pick(topk);
-    for (int64_t b = tid; b < blocks; b += P)
-      for (int64_t t = b * 4; t < std::min(T1, b * 4 + 4); ++t) {
+    typedef Keys<T> KT;
+    std::vector<T> rows(4 * (most + 2 * W));
+    std::vector<typename KT::K> key(most);
+    std::vector<uint32_t> hist(2048);
+    std::vector<typename KT::Pick> pick(topk);
+    for (int64_t b = tid; b < blocks; b += P) {
+      const int64_t t0 = b * 4, t1 = std::min(T1, b * 4 + 4);
+      // the block's score rows, two queries of one sequence at a time (they share each load of the keys)
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t u = std::min(t + 1, t1 - 1);  // the pair's second row (t itself when there is none)
+        const T* qs[2] = {q + t * Hi * Di, q + u * Hi * Di};
+        const T* ws[2] = {w + t * Hi, w + u * Hi};
+        T* out[2] = {rows.data() + (t - t0) * (most + 2 * W), rows.data() + (u - t0) * (most + 2 * W)};
+        if (u > t && start[u] == start[t]) {
+          index_scores<T, 2>(qs, ws, kT + start[t], ld, Hi, Di, std::max(nvis[t], nvis[t + 1]), out);
+          ++t;
+        } else {
+          index_scores<T, 1>(qs, ws, kT + start[t], ld, Hi, Di, nvis[t], out);
+        }
+      }
+      auto scores_of = [&](int64_t t) { return rows.data() + (t - t0) * (most + 2 * W); };
+      for (int64_t t = t0; t < t1; ++t) {
         const int64_t nk = nvis[t], kk = std::min(topk, nk);
         if (nk == 0) continue;
-        const T* qt = q + t * Hi * Di;
-        const T* wt = w + t * Hi;
-        const T* base = kT + start[t];
-        for (int64_t s0 = 0; s0 < nk; s0 += 2 * W) {
-          V i0{}, i1{};
-          int64_t h = 0;
-          for (; h + 4 <= Hi; h += 4) {  // 4 heads x 2 key vectors: 8 accumulators, one load per 4 FMAs
-            V a[4][2] = {};
-            for (int64_t d = 0; d < Di; ++d) {
-              const V k0 = load<T>(base + d * ld + s0), k1 = load<T>(base + d * ld + s0 + W);
-#pragma GCC unroll 4
-              for (int c = 0; c < 4; ++c) {
-                const T x = qt[(h + c) * Di + d];
-                a[c][0] += x * k0;
-                a[c][1] += x * k1;
-              }
-            }
-            for (int c = 0; c < 4; ++c) {
-              i0 += wt[h + c] * (a[c][0] > 0 ? a[c][0] : V{});
-              i1 += wt[h + c] * (a[c][1] > 0 ? a[c][1] : V{});
-            }
-          }
-          for (; h < Hi; ++h) {
-            V a0{}, a1{};
-            for (int64_t d = 0; d < Di; ++d) {
-              const T x = qt[h * Di + d];
-              a0 += x * load<T>(base + d * ld + s0);
-              a1 += x * load<T>(base + d * ld + s0 + W);
-            }
-            i0 += wt[h] * (a0 > 0 ? a0 : V{});
-            i1 += wt[h] * (a1 > 0 ? a1 : V{});
-          }
-          store<T>(sc.data() + s0, i0);
-          if (s0 + W < nk) store<T>(sc.data() + s0 + W, i1);
-        }
+        T* sc = scores_of(t);
         for (int64_t s = 0; s < nk; ++s)
           if (sc[s] != sc[s]) sc[s] = ninf;
+        // the row's kk largest as sortable keys: value descending, then position ascending
         int64_t n = 0;
         if (nk <= kk) {
-          for (int64_t s = 0; s < nk; ++s) pick[n++] = {sc[s], s};
-        } else {  // the kk-th largest value v: every key above it, then the first keys equal to it
-          std::copy(sc.begin(), sc.begin() + nk, tmp.begin());
-          std::nth_element(tmp.begin(), tmp.begin() + (kk - 1), tmp.begin() + nk, std::greater<T>());
-          const T v = tmp[kk - 1];
+          for (int64_t s = 0; s < nk; ++s) pick[n++] = KT::pick(KT::key(sc[s]), s);
+        } else {
+          for (int64_t s = 0; s < nk; ++s) key[s] = KT::key(sc[s]);
+          const typename KT::K v = kth_largest(key.data(), nk, kk, hist);
           int64_t above = 0;
-          for (int64_t s = 0; s < nk; ++s) above += sc[s] > v;
+          for (int64_t s = 0; s < nk; ++s) above += key[s] > v;
           int64_t ties = kk - above;
           for (int64_t s = 0; s < nk && n < kk; ++s)
-            if (sc[s] > v || (sc[s] == v && ties-- > 0)) pick[n++] = {sc[s], s};
+            if (key[s] > v || (key[s] == v && ties-- > 0)) pick[n++] = KT::pick(key[s], s);
         }
-        std::sort(pick.begin(), pick.begin() + n, [](const std::pair<T, int64_t>& x, const std::pair<T, int64_t>& y) {
-          return x.first > y.first || (x.first == y.first && x.second < y.second);
-        });
+        std::sort(pick.begin(), pick.begin() + n);
         int32_t* oi = out_idx + t * topk;
         T* os = out_sc + t * topk;
         for (int64_t i = 0; i < n; ++i) {
-          os[i] = pick[i].first;
-          oi[i] = pick[i].first == ninf ? -1 : static_cast<int32_t>(pick[i].second);
+          const int64_t pos = KT::pos(pick[i]);
+          os[i] = sc[pos];
+          oi[i] = sc[pos] == ninf ? -1 : static_cast<int32_t>(pos);
         }
       }
+    }
   });
 }
 
