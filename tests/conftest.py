@@ -38,3 +38,17 @@ def untouched():
         return check
 
     return snapshot
+
+
+@pytest.fixture(params=["cpu-kernels", "torch-ops"])
+def cpu_paths(request, monkeypatch):
+    """Runs a test twice: on the C++ CPU kernels (skipped where they do not build) and on the torch ops
+    (``SPARSEOPS_CPU_KERNELS=0``): ``pytestmark = pytest.mark.usefixtures("cpu_paths")``."""
+    if request.param == "torch-ops":
+        monkeypatch.setenv("SPARSEOPS_CPU_KERNELS", "0")
+        return
+    from sparseops.dsa import indexer
+    from sparseops.nsa import cpu_gather
+
+    if not (cpu_gather.available(torch.zeros(1)) and indexer.EXTENSION.available(torch.zeros(1))):
+        pytest.skip("the C++ CPU kernels are not built here")

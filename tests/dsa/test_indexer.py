@@ -5,17 +5,10 @@ import pytest
 import torch
 
 from sparseops.dsa import index_scores, indexer, indexer_topk
-from sparseops.nsa import cpu_gather
 from sparseops.testing import assert_close
 
-
-@pytest.fixture(autouse=True, params=["cpu-kernels", "torch-ops"])
-def _path(request, monkeypatch):
-    """Every test on both CPU paths: the C++ kernels (where they build) and the torch ops."""
-    if request.param == "torch-ops":
-        monkeypatch.setenv("SPARSEOPS_CPU_KERNELS", "0")
-    elif not (cpu_gather.available(torch.zeros(1)) and indexer.EXTENSION.available(torch.zeros(1))):
-        pytest.skip("the C++ CPU kernels are not built here")
+# every test on both CPU paths: the C++ kernels (where they build) and the torch ops
+pytestmark = pytest.mark.usefixtures("cpu_paths")
 
 
 def _inputs(T, Hi=3, Di=8, dtype=torch.float64, seed=0, ties=False):

@@ -4,18 +4,11 @@ gradient to the scores only, varlen, GQA, -1 slots, the dense warm-up selection,
 import pytest
 import torch
 
-from sparseops.dsa import indexer, indexer_kl_loss, indexer_topk, loss
-from sparseops.nsa import cpu_gather
+from sparseops.dsa import indexer_kl_loss, indexer_topk, loss
 from sparseops.testing import assert_close
 
-
-@pytest.fixture(autouse=True, params=["cpu-kernels", "torch-ops"])
-def _path(request, monkeypatch):
-    """Every test on both CPU paths: the C++ kernels (where they build) and the torch ops."""
-    if request.param == "torch-ops":
-        monkeypatch.setenv("SPARSEOPS_CPU_KERNELS", "0")
-    elif not (cpu_gather.available(torch.zeros(1)) and indexer.EXTENSION.available(torch.zeros(1))):
-        pytest.skip("the C++ CPU kernels are not built here")
+# every test on both CPU paths: the C++ kernels (where they build) and the torch ops
+pytestmark = pytest.mark.usefixtures("cpu_paths")
 
 
 def _dense_loss(q, k, indices, scores, scale, cu):

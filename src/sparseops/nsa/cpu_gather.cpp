@@ -43,6 +43,37 @@ template <typename T> struct Args {
   T floor;  // the lowest exponent computed (sparseops._numerics.exp_floor)
 };
 
+// exp(x) with x clamped to [floor, 80] (sparseops._numerics.exp_floor: no denormal, no overflow); NaN stays NaN.
+template <typename T> inline typename Vec<T>::type exp_clamped(typename Vec<T>::type x, T floor) {
+  typedef typename Vec<T>::type V;
+  x = x < floor ? V{} + floor : x;
+  x = x > T(80) ? V{} + T(80) : x;
+  return vexp(x);
+}
+
+// Each lane's softmax terms over the n scores s[j], in place: s[j] <- exp(s[j] - mx), mx the lane's max (an
+// overflowed +inf score held at the largest finite value, NaN propagated, 0 for a lane of -inf); returns the
+// lanes' sums.
+template <typename T>
+typename Vec<T>::type softmax_terms(typename Vec<T>::type* s, int64_t n, T floor, typename Vec<T>::type& mx) {
+  typedef typename Vec<T>::type V;
+  const T big = std::numeric_limits<T>::max(), ninf = -std::numeric_limits<T>::infinity();
+  mx = V{} + ninf;
+  for (int64_t j = 0; j < n; ++j) {
+    V x = s[j];
+    x = x > big ? V{} + big : x;
+    s[j] = x;
+    mx = (x > mx) | (x != x) ? x : mx;
+  }
+  mx = mx == ninf ? V{} : mx;
+  V sum{};
+  for (int64_t j = 0; j < n; ++j) {
+    s[j] = exp_clamped<T>(s[j] - mx, floor);
+    sum += s[j];
+  }
+  return sum;
+}
+
 // The flat key rows ([T2 * N2] rows) item (t, n2) sees, in slot order; returns their count.
 template <typename T> int64_t visible_rows(const Args<T>& a, int64_t t, int64_t n2, int64_t* rows) {
   const int64_t* ids = a.topk + (t * a.N2 + n2) * a.K;
@@ -244,7 +275,6 @@ template <typename T>
 void forward_impl(const Args<T>& a, T* out, T* m, T* l, int64_t P) {
   typedef typename Vec<T>::type V;
   constexpr int W = Vec<T>::W;
-  const T big = std::numeric_limits<T>::max(), ninf = -std::numeric_limits<T>::infinity();
   for_items(a, P, [&](int64_t it, int64_t, Scratch<T>& sc) {
     const int64_t hb = it % a.HB, n2 = (it / a.HB) % a.N2, t = it / (a.HB * a.N2);
     const Heads<T> h(a.G, n2, hb);
@@ -256,22 +286,8 @@ void forward_impl(const Args<T>& a, T* out, T* m, T* l, int64_t P) {
     load_heads(a.q, t, a.N1, a.D, h, sc.xT.data(), static_cast<T*>(nullptr));
     V* s = sc.s.data();
     row_scores<T>(sc.xT.data(), a.D, a.k, sc.rows.data(), n, a.D, s);
-    V mx = V{} + ninf;
-    for (int64_t j = 0; j < n; ++j) {
-      V x = s[j];
-      x = x > big ? V{} + big : x;  // an overflowed +inf score stays finite; NaN stays NaN
-      s[j] = x;
-      mx = (x > mx) | (x != x) ? x : mx;
-    }
-    mx = mx == ninf ? V{} : mx;
-    V sum{};
-    for (int64_t j = 0; j < n; ++j) {
-      V x = s[j] - mx;
-      x = x < a.floor ? V{} + a.floor : x;
-      x = x > T(80) ? V{} + T(80) : x;
-      s[j] = vexp(x);
-      sum += s[j];
-    }
+    V mx;
+    const V sum = softmax_terms<T>(s, n, a.floor, mx);
     row_combine<T>(s, a.v, sc.rows.data(), n, a.Dv, a.Dv, sc.oT.data(), false);
     V inv;
     for (int i = 0; i < W; ++i) inv[i] = sum[i] > 0 ? T(1) / sum[i] : T(0);
@@ -307,12 +323,7 @@ void backward_impl(const Args<T>& a, const T* dout, const T* lse, const T* delta
       const int64_t nb = std::min(KEY_BLOCK, n - j0);
       const int64_t* rb = rows + j0;
       row_scores<T>(sc.xT.data(), a.D, a.k, rb, nb, a.D, p);
-      for (int64_t j = 0; j < nb; ++j) {
-        V x = p[j] - ls;
-        x = x < a.floor ? V{} + a.floor : x;
-        x = x > T(80) ? V{} + T(80) : x;
-        p[j] = vexp(x);
-      }
+      for (int64_t j = 0; j < nb; ++j) p[j] = exp_clamped<T>(p[j] - ls, a.floor);
       row_scores<T>(sc.yT.data(), a.Dv, a.v, rb, nb, a.Dv, ds);
       for (int64_t j = 0; j < nb; ++j) ds[j] = (ds[j] - dl) * p[j];
       row_combine<T>(ds, a.k, rb, nb, a.D, a.D, sc.oT.data(), j0 > 0);
@@ -334,7 +345,6 @@ void head_mean_impl(const T* q, const T* k, const int64_t* ids, const int64_t* s
   typedef typename Vec<T>::type V;
   constexpr int W = Vec<T>::W;
   const int64_t G = N1 / N2, HB = (G + W - 1) / W, blocks = (T1 + 3) / 4;
-  const T big = std::numeric_limits<T>::max(), ninf = -std::numeric_limits<T>::infinity();
   sparseops_simd::run_tasks(P, [&](int64_t tid) {
     std::vector<int64_t> key(K), rows(K), slot(K);
     std::vector<V> s(K), xT(D);
@@ -353,22 +363,8 @@ void head_mean_impl(const T* q, const T* k, const int64_t* ids, const int64_t* s
             const Heads<T> h(G, n2, hb);
             load_heads(q, t, N1, D, h, xT.data(), static_cast<T*>(nullptr));
             row_scores<T>(xT.data(), D, k, rows.data(), n, D, s.data());
-            V mx = V{} + ninf;
-            for (int64_t j = 0; j < n; ++j) {
-              V x = s[j];
-              x = x > big ? V{} + big : x;
-              s[j] = x;
-              mx = (x > mx) | (x != x) ? x : mx;
-            }
-            mx = mx == ninf ? V{} : mx;
-            V sum{};
-            for (int64_t j = 0; j < n; ++j) {
-              V x = s[j] - mx;
-              x = x < floor ? V{} + floor : x;
-              x = x > T(80) ? V{} + T(80) : x;
-              s[j] = vexp(x);
-              sum += s[j];
-            }
+            V mx;
+            const V sum = softmax_terms<T>(s.data(), n, floor, mx);
             V inv{};
             for (int64_t lane = 0; lane < h.Gh; ++lane) inv[lane] = sum[lane] > 0 ? T(1) / (sum[lane] * N1) : T(0);
             for (int64_t j = 0; j < n; ++j) {
