@@ -1,9 +1,12 @@
 // What the C++ CPU kernels share (docs/internals.md): vectors of one 64-byte register (GCC / Clang vector
-// extensions: AVX-512 where the CPU has it, two or four narrower registers elsewhere), a vector exp, and tasks on
-// threads of their own.
+// extensions: AVX-512 where the CPU has it, two or four narrower registers elsewhere), a vector exp, tasks on
+// threads of their own, and the tensor arguments without torch's headers.
 #pragma once
 
+#include <pybind11/pybind11.h>
+
 #include <cmath>
+#include <string>
 #include <cstdint>
 #include <cstring>
 #include <thread>
@@ -86,6 +89,23 @@ template <typename T> inline void prefetch_row(const T* p, int64_t n, bool rw = 
   }
 }
 
+// The little of a torch.Tensor a kernel reads (data pointer, sizes, whether float64), taken from its Python
+// attributes: the kernels include no torch header, so a build takes seconds, not a minute. Arguments arrive
+// validated and contiguous from the Python side.
+struct Tensor {
+  void* ptr = nullptr;
+  std::vector<int64_t> shape;
+  bool f64 = false;
+  Tensor() = default;
+  explicit Tensor(const pybind11::handle& t)
+      : ptr(reinterpret_cast<void*>(t.attr("data_ptr")().cast<uintptr_t>())),
+        f64(pybind11::str(t.attr("dtype")).cast<std::string>() == "torch.float64") {
+    for (auto s : t.attr("shape")) shape.push_back(s.cast<int64_t>());
+  }
+  int64_t size(int i) const { return shape[i]; }
+  template <typename T> T* data_ptr() const { return static_cast<T*>(ptr); }
+};
+
 // Runs task(tid) for tid in [0, P), one thread each (task 0 on the caller's). Threads of their own: ATen's
 // parallel_for is OpenMP code inlined into the caller, and these builds are not compiled with OpenMP.
 template <typename F> void run_tasks(int64_t P, F task) {
@@ -96,3 +116,18 @@ template <typename F> void run_tasks(int64_t P, F task) {
 }
 
 }  // namespace sparseops_simd
+
+namespace pybind11 {
+namespace detail {
+// a torch.Tensor argument arrives as a sparseops_simd::Tensor
+template <> struct type_caster<sparseops_simd::Tensor> {
+  PYBIND11_TYPE_CASTER(sparseops_simd::Tensor, const_name("torch.Tensor"));
+  bool load(handle src, bool) {
+    if (!hasattr(src, "data_ptr")) return false;
+    value = sparseops_simd::Tensor(src);
+    return true;
+  }
+  static handle cast(const sparseops_simd::Tensor&, return_value_policy, handle) { return none().release(); }
+};
+}  // namespace detail
+}  // namespace pybind11

@@ -7,8 +7,6 @@
 //   dk_i     += [q[t, h] . k_i > 0] * w[t, h] * g[t, i] * q[t, h]
 // One item per token (its dq, dw rows are its own); dk goes into one buffer per task, added in task order by
 // the caller: bitwise repeatable for a given thread count. Arguments arrive validated and contiguous.
-#include <torch/extension.h>
-
 #include "cpu.h"
 
 #include <algorithm>
@@ -20,6 +18,7 @@
 
 namespace {
 
+using sparseops_simd::Tensor;
 using sparseops_simd::load;
 using sparseops_simd::store;
 using sparseops_simd::Vec;
@@ -237,10 +236,10 @@ void select_impl(const T* q, const T* kT, int64_t ld, const T* w, const int64_t*
   });
 }
 
-void topk_select(torch::Tensor q, torch::Tensor kT, torch::Tensor w, torch::Tensor start, torch::Tensor nvis,
-            torch::Tensor out_idx, torch::Tensor out_sc, int64_t tasks) {
+void topk_select(Tensor q, Tensor kT, Tensor w, Tensor start, Tensor nvis,
+            Tensor out_idx, Tensor out_sc, int64_t tasks) {
   const int64_t T1 = q.size(0), Hi = q.size(1), Di = q.size(2), topk = out_idx.size(1), ld = kT.size(1);
-  if (q.scalar_type() == torch::kFloat64)
+  if (q.f64)
     select_impl<double>(q.data_ptr<double>(), kT.data_ptr<double>(), ld, w.data_ptr<double>(),
                         start.data_ptr<int64_t>(), nvis.data_ptr<int64_t>(), T1, Hi, Di, topk,
                         out_idx.data_ptr<int32_t>(), out_sc.data_ptr<double>(), tasks);
@@ -250,10 +249,10 @@ void topk_select(torch::Tensor q, torch::Tensor kT, torch::Tensor w, torch::Tens
                        out_sc.data_ptr<float>(), tasks);
 }
 
-void backward(torch::Tensor q, torch::Tensor k, torch::Tensor w, torch::Tensor ids, torch::Tensor start,
-              torch::Tensor g, torch::Tensor dq, torch::Tensor dk, torch::Tensor dw, int64_t tasks) {
+void backward(Tensor q, Tensor k, Tensor w, Tensor ids, Tensor start,
+              Tensor g, Tensor dq, Tensor dk, Tensor dw, int64_t tasks) {
   const int64_t T1 = q.size(0), Hi = q.size(1), Di = q.size(2), K = ids.size(1), rows_k = k.size(0);
-  if (q.scalar_type() == torch::kFloat64)
+  if (q.f64)
     backward_impl<double>(q.data_ptr<double>(), k.data_ptr<double>(), w.data_ptr<double>(), ids.data_ptr<int64_t>(),
                           start.data_ptr<int64_t>(), g.data_ptr<double>(), T1, Hi, Di, K, rows_k,
                           dq.data_ptr<double>(), dk.data_ptr<double>(), dw.data_ptr<double>(), tasks);

@@ -14,8 +14,6 @@
 //   key rows dk_j  += sum_h ds[j][h] * q_h         (d in the lanes, for dK and dV)
 // dK / dV go into one private buffer per task; the Python side adds the buffers in task order, and each task's
 // items are fixed by the item index alone: the backward is bitwise repeatable for a given thread count.
-#include <torch/extension.h>
-
 #include "cpu.h"
 
 #include <algorithm>
@@ -26,6 +24,7 @@
 
 namespace {
 
+using sparseops_simd::Tensor;
 using sparseops_simd::load;
 using sparseops_simd::prefetch_row;
 using sparseops_simd::store;
@@ -379,10 +378,10 @@ void head_mean_impl(const T* q, const T* k, const int64_t* ids, const int64_t* s
   });
 }
 
-void head_mean_probs(torch::Tensor q, torch::Tensor k, torch::Tensor ids, torch::Tensor start, double floor,
-                     torch::Tensor p, int64_t tasks) {
+void head_mean_probs(Tensor q, Tensor k, Tensor ids, Tensor start, double floor,
+                     Tensor p, int64_t tasks) {
   const int64_t T1 = q.size(0), N1 = q.size(1), D = q.size(2), N2 = k.size(1), K = ids.size(1);
-  if (q.scalar_type() == torch::kFloat64)
+  if (q.f64)
     head_mean_impl<double>(q.data_ptr<double>(), k.data_ptr<double>(), ids.data_ptr<int64_t>(),
                            start.data_ptr<int64_t>(), T1, N1, N2, D, K, floor, p.data_ptr<double>(), tasks);
   else
@@ -392,8 +391,8 @@ void head_mean_probs(torch::Tensor q, torch::Tensor k, torch::Tensor ids, torch:
 }
 
 template <typename T>
-Args<T> make_args(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& topk,
-                  const torch::Tensor& kv_start, const torch::Tensor& seq_len, const torch::Tensor& pos, int64_t bs,
+Args<T> make_args(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& topk,
+                  const Tensor& kv_start, const Tensor& seq_len, const Tensor& pos, int64_t bs,
                   bool causal, double floor) {
   Args<T> a;
   a.q = q.data_ptr<T>();
@@ -417,10 +416,10 @@ Args<T> make_args(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   return a;
 }
 
-void forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor topk, torch::Tensor kv_start,
-             torch::Tensor seq_len, torch::Tensor pos, int64_t bs, bool causal, double floor, torch::Tensor out,
-             torch::Tensor m, torch::Tensor l, int64_t tasks) {
-  if (q.scalar_type() == torch::kFloat64) {
+void forward(Tensor q, Tensor k, Tensor v, Tensor topk, Tensor kv_start,
+             Tensor seq_len, Tensor pos, int64_t bs, bool causal, double floor, Tensor out,
+             Tensor m, Tensor l, int64_t tasks) {
+  if (q.f64) {
     auto a = make_args<double>(q, k, v, topk, kv_start, seq_len, pos, bs, causal, floor);
     forward_impl(a, out.data_ptr<double>(), m.data_ptr<double>(), l.data_ptr<double>(), tasks);
   } else {
@@ -429,12 +428,12 @@ void forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor to
   }
 }
 
-void backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor dout, torch::Tensor lse,
-              torch::Tensor delta, torch::Tensor topk, torch::Tensor kv_start, torch::Tensor seq_len,
-              torch::Tensor pos, int64_t bs, bool causal, double floor, double scale, torch::Tensor dq,
-              torch::Tensor dk, torch::Tensor dv, int64_t tasks) {
+void backward(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse,
+              Tensor delta, Tensor topk, Tensor kv_start, Tensor seq_len,
+              Tensor pos, int64_t bs, bool causal, double floor, double scale, Tensor dq,
+              Tensor dk, Tensor dv, int64_t tasks) {
   const int64_t rows_kv = k.size(0) * k.size(1);
-  if (q.scalar_type() == torch::kFloat64) {
+  if (q.f64) {
     auto a = make_args<double>(q, k, v, topk, kv_start, seq_len, pos, bs, causal, floor);
     backward_impl(a, dout.data_ptr<double>(), lse.data_ptr<double>(), delta.data_ptr<double>(), scale,
                   dq.data_ptr<double>(), dk.data_ptr<double>(), dv.data_ptr<double>(), rows_kv, tasks);
