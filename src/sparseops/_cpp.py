@@ -1,8 +1,8 @@
 """The C++ CPU kernels: built on first use with torch's own ``torch.utils.cpp_extension.load`` (docs/internals.md).
 
 Each :class:`Extension` is one C++ source (with the shared header ``csrc/cpu.h``), compiled with ``-O3
--march=native`` the first time a call needs it: 10-30 s (the sources include pybind11, no torch header), once
-per machine, cached under torch's ``TORCH_EXTENSIONS_DIR`` and named by a hash of the sources, the CPU's feature
+-march=native`` the first time a call needs it (the sources include pybind11, no torch header: docs/nsa.md has
+the build time), once per machine, cached under torch's ``TORCH_EXTENSIONS_DIR`` and named by a hash of the sources, the CPU's feature
 flags and the torch version (a build for another CPU or torch is never reused). When it cannot be built (no C++ compiler, no ninja) a
 ``RuntimeWarning`` says so once and the callers run their torch ops; ``SPARSEOPS_CPU_KERNELS=0`` turns every
 extension off. Nothing is built at import time.

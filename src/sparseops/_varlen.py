@@ -65,6 +65,15 @@ def token_seq_positions(cu: list[int], device=None) -> tuple[torch.Tensor, torch
     return seq_id, pos
 
 
+def token_key_rows(cu_q: list[int], cu_kv: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per packed query token (CPU int64, contiguous): its sequence's first key row in ``cu_kv``, that
+    sequence's key count, and the token's own in-sequence position."""
+    seq, pos = token_seq_positions(cu_q)
+    starts = torch.tensor(cu_kv[:-1], dtype=torch.int64)
+    lens = torch.tensor(seq_lengths(cu_kv), dtype=torch.int64)
+    return starts[seq].contiguous(), lens[seq].contiguous(), pos.contiguous()
+
+
 def cu_seqlens_list(name: str, cu, total: int) -> list[int]:
     """flash-attention ``cu_seqlens`` (int tensor ``[B+1]`` or list of ints, leading 0; None = one sequence)
     -> a list of Python ints ``[0, c1, ..., total]``."""

@@ -90,7 +90,7 @@ template <typename T> inline void prefetch_row(const T* p, int64_t n, bool rw = 
 }
 
 // The little of a torch.Tensor a kernel reads (data pointer, sizes, whether float64), taken from its Python
-// attributes: the kernels include no torch header, so a build takes seconds, not a minute. Arguments arrive
+// attributes: the kernels include no torch header, whose compile would be most of a build. Arguments arrive
 // validated and contiguous from the Python side.
 struct Tensor {
   void* ptr = nullptr;

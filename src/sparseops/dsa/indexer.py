@@ -20,7 +20,7 @@ import torch
 
 from .. import _checks
 from .._cpp import Extension
-from .._varlen import token_seq_positions
+from .._varlen import token_key_rows
 from .checks import acc_dtype, check_indexer_args
 
 #: bytes of one chunk's score work tensors (forward; the backward's gathered keys off the CPU)
@@ -74,11 +74,9 @@ def _cpu_select(q_idx, k_idx, weights, topk, cu, causal, acc):
         return indices, scores
     kT = torch.zeros(Di, T + 32, dtype=acc)
     kT[:, :T] = k_idx.to(acc).T
-    seq, pos = token_seq_positions(cu)
-    start = torch.tensor(cu[:-1], dtype=torch.int64)[seq]
-    lens = torch.tensor(cu, dtype=torch.int64).diff()[seq]
+    start, lens, pos = token_key_rows(cu, cu)
     nvis = (pos + 1 if causal else lens).contiguous()
-    EXTENSION.module().select(q_idx.to(acc).contiguous(), kT, weights.to(acc).contiguous(), start.contiguous(), nvis,
+    EXTENSION.module().select(q_idx.to(acc).contiguous(), kT, weights.to(acc).contiguous(), start, nvis,
                               indices, scores, torch.get_num_threads())
     return indices, scores
 

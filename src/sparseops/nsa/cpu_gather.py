@@ -24,7 +24,7 @@ import torch
 
 from .._cpp import Extension
 from .._numerics import exp_floor, row_dot
-from .._varlen import token_seq_positions
+from .._varlen import token_key_rows
 
 #: the most bytes the per-task dK / dV buffers of one backward may take together
 TASK_BYTES = 1 << 30
@@ -55,14 +55,6 @@ def _acc(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def _token_rows(T1, cu_q, cu_kv):
-    """Per query token: its sequence's first key row, its key count and its in-sequence position (int64)."""
-    seq, pos = token_seq_positions(cu_q)
-    starts = torch.tensor(cu_kv[:-1], dtype=torch.int64)
-    lens = torch.tensor([b - a for a, b in zip(cu_kv[:-1], cu_kv[1:])], dtype=torch.int64)
-    return starts[seq].contiguous(), lens[seq].contiguous(), pos.contiguous()
-
-
 def _flat(x, acc):
     return x.to(acc).contiguous()
 
@@ -76,7 +68,7 @@ def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
     m = torch.zeros(T1, N1, dtype=acc)
     l = torch.zeros(T1, N1, dtype=acc)
     if T1 > 0 and k.shape[0] > 0:
-        starts, lens, pos = _token_rows(T1, cu_q, cu_kv)
+        starts, lens, pos = token_key_rows(cu_q, cu_kv)
         qa = torch.mul(q.to(acc), scale).contiguous()
         _module().forward(qa, _flat(k, acc), _flat(v, acc), topk.to(torch.int64).contiguous(), starts, lens, pos,
                           bs, causal, exp_floor(acc), out, m, l, torch.get_num_threads())
@@ -101,7 +93,7 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     P = _tasks(T2 * N2, D, Dv, elt)
     dk = torch.zeros(P, T2 * N2, D, dtype=acc)
     dv = torch.zeros(P, T2 * N2, Dv, dtype=acc)
-    starts, lens, pos = _token_rows(T1, cu_q, cu_kv)
+    starts, lens, pos = token_key_rows(cu_q, cu_kv)
     qa = torch.mul(q.to(acc), scale).contiguous()
     delta = row_dot(dout, out, acc).contiguous()
     lse = torch.where(l > 0, m.to(acc) + torch.log(l.to(acc)), 0.0).contiguous()
@@ -121,7 +113,7 @@ def head_mean_probs(q, k, indices, scale, cu):
     T = q.shape[0]
     p = torch.zeros(T, indices.shape[1], dtype=acc)
     if T > 0:
-        start, _, _ = _token_rows(T, cu, cu)
+        start, _, _ = token_key_rows(cu, cu)
         qa = torch.mul(q.to(acc), scale).contiguous()
         _module().head_mean_probs(qa, _flat(k, acc), indices.to(torch.int64).contiguous(), start, exp_floor(acc), p,
                                   torch.get_num_threads())
