@@ -72,6 +72,26 @@ def test_topk_matches_dense_reference(T, cu, topk, causal, ties, monkeypatch):
             assert_close(a, b, torch.float64, name=name)
 
 
+@pytest.mark.parametrize("Hi, Di, dtype", [
+    (4, 32, torch.float64), (5, 64, torch.float64), (6, 20, torch.float64),  # float64: 4, 8 vectors, a tail
+    (3, 64, torch.float32), (4, 128, torch.float32), (2, 24, torch.float32),  # fp32: likewise
+], ids=str)
+def test_gradients_at_vector_widths(Hi, Di, dtype):
+    """The C++ backward's fixed-width rows (4 and 8 vectors of d), any width, head counts around its groups of
+    four, more selected keys than one of its key blocks: against autograd through the dense float64 scores."""
+    T, topk = 70, 40
+    q, k, w = _inputs(T, Hi=Hi, Di=Di, dtype=dtype, seed=5)
+    idx, sc = indexer_topk(q, k, w, topk)
+    live = idx >= 0
+    g = torch.randn(T, topk, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    got = torch.autograd.grad((sc.double().masked_fill(~live, 0) * g).sum(), (q, k, w))
+    q64, k64, w64 = (t.detach().double().requires_grad_() for t in (q, k, w))
+    dense = index_scores(q64, k64, w64).gather(1, idx.long().clamp(min=0)).masked_fill(~live, 0)
+    want = torch.autograd.grad((dense * g).sum(), (q64, k64, w64))
+    for name, a, b in zip(("dq_idx", "dk_idx", "dweights"), got, want):
+        assert_close(a, b, dtype, name=name)
+
+
 def test_ties_go_to_the_smaller_position():
     T = 8
     q = torch.ones(T, 1, 2, dtype=torch.float64)

@@ -84,6 +84,9 @@ def test_float32_scores_and_empty_rows():
     want = _dense_loss(q, k, indices, scores, 0.3, [0, T])
     assert got.dtype == torch.float32
     assert_close(got, want, torch.float32)
+    (g_got,) = torch.autograd.grad(got, wi, retain_graph=True)
+    (g_want,) = torch.autograd.grad(want, wi)
+    assert_close(g_got, g_want, torch.float32, name="dweights")
 
 
 @pytest.mark.parametrize("edit, exc, msg", [

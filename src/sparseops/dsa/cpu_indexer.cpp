@@ -1,5 +1,6 @@
 // The lightning indexer on the CPU (docs/dsa.md, "The C++ CPU path"): its exact top-k (select), and its score
-// backward (backward): per query token, its selected keys read in place, the head dim in the lanes of a vector.
+// backward (backward): per query token, its selected keys read in place, the head dim in the lanes of a vector;
+// and the rows of its KL training loss (kl_rows, kl_rows_grad), one token's slots at a time.
 //
 // scores[t, i] = sum_h w[t, h] * relu(q[t, h] . k[key(t, i)]) at the slots i not -1; given g = d scores:
 //   dw[t, h] += relu(q[t, h] . k_i) * g[t, i]
@@ -10,6 +11,7 @@
 #include "cpu.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -43,31 +45,168 @@ template <typename T> inline void axpy(T c, const T* x, T* y, int64_t D) {
   for (; d < D; ++d) y[d] += c * x[d];
 }
 
+// keys per block of backward_token's three passes
+constexpr int64_t KEY_BLOCK = 32;
+
+// One token's slots (its ids, start row and d scores g): dq, dw of the token and its keys' dk rows, by blocks of
+// keys in three passes: the heads' scores and coefficients c[i][h] = [x > 0] w[h] g[i]; dq[h] += c[i][h] k_i with
+// dq in registers; dk_i += c[i][h] q[h]. DW: the vectors of d per row when fixed at compile time (the loops
+// unrolled), 0 for any Di (a scalar tail). c: scratch of KEY_BLOCK * Hi values, rows: of KEY_BLOCK.
+template <typename T, int DW>
+void backward_token(const T* qt, const T* wt, const int64_t* it, int64_t start, const T* gt, const T* k, int64_t Hi,
+                    int64_t Di, int64_t K, T* dqt, T* dwt, T* dkt, T* c, int64_t* rows) {
+  typedef typename Vec<T>::type V;
+  constexpr int W = Vec<T>::W;
+  const int64_t nv = DW > 0 ? DW : Di / W;
+  int64_t i = 0;
+  while (i < K) {
+    int64_t nb = 0;  // the block: the next KEY_BLOCK live slots
+    T* cb = c;
+    for (; i < K && nb < KEY_BLOCK; ++i)
+      if (it[i] >= 0) {
+        rows[nb] = start + it[i];
+        cb[nb++] = gt[i];  // g for now: pass 1 turns it into the coefficients
+      }
+    for (int64_t i2 = i; i2 < std::min(K, i + KEY_BLOCK); ++i2)
+      if (it[i2] >= 0) {
+        sparseops_simd::prefetch_row(k + (start + it[i2]) * Di, Di);
+        sparseops_simd::prefetch_row(dkt + (start + it[i2]) * Di, Di, true);
+      }
+    // pass 1: the heads' scores, four at a time (a missing fourth head repeats the last one); without a branch
+    // on the sign (a coin flip per head): an inactive head adds 0 * its terms, as the torch path's products do
+    for (int64_t h0 = 0; h0 < Hi; h0 += 4) {
+      const T* qh[4];
+      for (int u = 0; u < 4; ++u) qh[u] = qt + std::min(h0 + u, Hi - 1) * Di;
+      for (int64_t j = 0; j < nb; ++j) {
+        const T* kr = k + rows[j] * Di;
+        V a[4] = {};
+#pragma GCC unroll 8
+        for (int64_t v = 0; v < nv; ++v) {
+          const V kv = load<T>(kr + v * W);
+          for (int u = 0; u < 4; ++u) a[u] += load<T>(qh[u] + v * W) * kv;
+        }
+        const T gi = c[j];
+        for (int u = 0; u < 4 && h0 + u < Hi; ++u) {
+          T x = sparseops_simd::hsum(a[u]);
+          if (DW == 0)
+            for (int64_t d = nv * W; d < Di; ++d) x += qh[u][d] * kr[d];
+          const bool on = x > 0;
+          dwt[h0 + u] += (on ? x : T(0)) * gi;
+          c[KEY_BLOCK + j * Hi + h0 + u] = on ? wt[h0 + u] * gi : T(0);
+        }
+      }
+    }
+    const T* cf = c + KEY_BLOCK;  // [nb, Hi]
+    // pass 2: dq, four heads x one vector of d in registers over the block's keys
+    for (int64_t h0 = 0; h0 < Hi; h0 += 4) {
+      const int64_t nh = std::min<int64_t>(4, Hi - h0);
+      for (int64_t v = 0; v < nv; ++v) {
+        V a[4] = {};
+        for (int u = 0; u < nh; ++u) a[u] = load<T>(dqt + (h0 + u) * Di + v * W);
+        for (int64_t j = 0; j < nb; ++j) {
+          const V kv = load<T>(k + rows[j] * Di + v * W);
+          for (int u = 0; u < 4; ++u) a[u] += cf[j * Hi + std::min<int64_t>(h0 + u, Hi - 1)] * kv;
+        }
+        for (int u = 0; u < nh; ++u) store<T>(dqt + (h0 + u) * Di + v * W, a[u]);
+      }
+      if (DW == 0)
+        for (int64_t d = nv * W; d < Di; ++d)
+          for (int u = 0; u < nh; ++u)
+            for (int64_t j = 0; j < nb; ++j) dqt[(h0 + u) * Di + d] += cf[j * Hi + h0 + u] * k[rows[j] * Di + d];
+    }
+    // pass 3: each key's dk row, once (a key twice in the block is added twice, in order)
+    for (int64_t j = 0; j < nb; ++j) {
+      T* dkr = dkt + rows[j] * Di;
+      const T* cj = cf + j * Hi;
+#pragma GCC unroll 8
+      for (int64_t v = 0; v < nv; ++v) {
+        V acc = load<T>(dkr + v * W);
+        for (int64_t h = 0; h < Hi; ++h) acc += cj[h] * load<T>(qt + h * Di + v * W);
+        store<T>(dkr + v * W, acc);
+      }
+      if (DW == 0)
+        for (int64_t d = nv * W; d < Di; ++d)
+          for (int64_t h = 0; h < Hi; ++h) dkr[d] += cj[h] * qt[h * Di + d];
+    }
+  }
+}
+
 template <typename T>
 void backward_impl(const T* q, const T* k, const T* w, const int64_t* ids, const int64_t* start, const T* g,
                    int64_t T1, int64_t Hi, int64_t Di, int64_t K, int64_t rows_k, T* dq, T* dk, T* dw, int64_t P) {
+  constexpr int W = Vec<T>::W;
   const int64_t blocks = (T1 + 3) / 4;
+  auto token = &backward_token<T, 0>;
+  if (Di == 4 * W) token = &backward_token<T, 4>;
+  if (Di == 8 * W) token = &backward_token<T, 8>;
   sparseops_simd::run_tasks(P, [&](int64_t tid) {
     T* dkt = dk + tid * rows_k * Di;
+    std::vector<T> c(KEY_BLOCK * (Hi + 1));
+    std::vector<int64_t> rows(KEY_BLOCK);
     for (int64_t b = tid; b < blocks; b += P)
-      for (int64_t t = b * 4; t < std::min(T1, b * 4 + 4); ++t) {
-        const T* qt = q + t * Hi * Di;
-        T* dqt = dq + t * Hi * Di;
-        for (int64_t i = 0; i < K; ++i) {
-          const int64_t id = ids[t * K + i];
-          if (id < 0) continue;
-          const int64_t row = start[t] + id;
-          const T* kr = k + row * Di;
-          T* dkr = dkt + row * Di;
-          const T gi = g[t * K + i];
-          for (int64_t h = 0; h < Hi; ++h) {
-            const T x = dot(qt + h * Di, kr, Di);
-            if (!(x > 0)) continue;
-            dw[t * Hi + h] += x * gi;
-            const T c = w[t * Hi + h] * gi;
-            axpy(c, kr, dqt + h * Di, Di);
-            axpy(c, qt + h * Di, dkr, Di);
+      for (int64_t t = b * 4; t < std::min(T1, b * 4 + 4); ++t)
+        token(q + t * Hi * Di, w + t * Hi, ids + t * K, start[t], g + t * K, k, Hi, Di, K, dq + t * Hi * Di,
+              dw + t * Hi, dkt, c.data(), rows.data());
+  });
+}
+
+// The indexer loss's rows (docs/dsa.md) over each token's live slots i (ids[t, i] >= 0), scores s and target p:
+//   lse[t] = log sum_i exp(s[t, i]),  kl[t] = sum_{i: p > 0} p[t, i] * (log p[t, i] - s[t, i] + lse[t]),
+//   mass[t] = sum_{i: p > 0} p[t, i]  (the backward's d kl / d s[t, i] = mass * softmax_i - p[t, i])
+// A row without a live slot gives 0, 0, 0. Exponents are clamped to [floor, 0] below the row's max.
+template <typename T>
+void kl_rows_impl(const T* s, const T* p, const int64_t* ids, int64_t T1, int64_t K, T floor, T* kl, T* lse,
+                  T* mass, int64_t P) {
+  const T ninf = -std::numeric_limits<T>::infinity();
+  const int64_t blocks = (T1 + 15) / 16;
+  sparseops_simd::run_tasks(P, [&](int64_t tid) {
+    for (int64_t b = tid; b < blocks; b += P)
+      for (int64_t t = b * 16; t < std::min(T1, b * 16 + 16); ++t) {
+        const T *st = s + t * K, *pt = p + t * K;
+        const int64_t* it = ids + t * K;
+        T mx = ninf;
+        bool any = false;
+        for (int64_t i = 0; i < K; ++i)
+          if (it[i] >= 0) {
+            any = true;
+            mx = (st[i] > mx || st[i] != st[i]) ? st[i] : mx;
           }
+        if (!any) {
+          kl[t] = lse[t] = mass[t] = T(0);
+          continue;
+        }
+        const T m0 = std::isinf(mx) ? T(0) : mx;
+        T sum = 0;
+        for (int64_t i = 0; i < K; ++i)
+          if (it[i] >= 0) sum += std::exp(std::max(st[i] - m0, floor));
+        const T l = m0 + std::log(sum);
+        T acc = 0, ms = 0;
+        for (int64_t i = 0; i < K; ++i)
+          if (it[i] >= 0 && pt[i] > 0) {
+            acc += pt[i] * (std::log(pt[i]) - st[i] + l);
+            ms += pt[i];
+          }
+        kl[t] = acc;
+        lse[t] = l;
+        mass[t] = ms;
+      }
+  });
+}
+
+// ds[t, i] = c * (mass[t] * exp(s[t, i] - lse[t]) - p[t, i]) at the live slots, 0 elsewhere (c = d loss / d kl).
+template <typename T>
+void kl_rows_grad_impl(const T* s, const T* p, const int64_t* ids, const T* lse, const T* mass, int64_t T1,
+                       int64_t K, T c, T floor, T* ds, int64_t P) {
+  const int64_t blocks = (T1 + 15) / 16;
+  sparseops_simd::run_tasks(P, [&](int64_t tid) {
+    for (int64_t b = tid; b < blocks; b += P)
+      for (int64_t t = b * 16; t < std::min(T1, b * 16 + 16); ++t) {
+        const T *st = s + t * K, *pt = p + t * K;
+        const int64_t* it = ids + t * K;
+        T* dt = ds + t * K;
+        for (int64_t i = 0; i < K; ++i) {
+          const T pi = pt[i] > 0 ? pt[i] : T(0);
+          dt[i] = it[i] >= 0 ? c * (mass[t] * std::exp(std::max(st[i] - lse[t], floor)) - pi) : T(0);
         }
       }
   });
@@ -262,9 +401,35 @@ void backward(Tensor q, Tensor k, Tensor w, Tensor ids, Tensor start,
                          dq.data_ptr<float>(), dk.data_ptr<float>(), dw.data_ptr<float>(), tasks);
 }
 
+void kl_rows(Tensor s, Tensor p, Tensor ids, double floor, Tensor kl, Tensor lse, Tensor mass, int64_t tasks) {
+  const int64_t T1 = s.size(0), K = s.size(1);
+  if (s.f64)
+    kl_rows_impl<double>(s.data_ptr<double>(), p.data_ptr<double>(), ids.data_ptr<int64_t>(), T1, K, floor,
+                         kl.data_ptr<double>(), lse.data_ptr<double>(), mass.data_ptr<double>(), tasks);
+  else
+    kl_rows_impl<float>(s.data_ptr<float>(), p.data_ptr<float>(), ids.data_ptr<int64_t>(), T1, K,
+                        static_cast<float>(floor), kl.data_ptr<float>(), lse.data_ptr<float>(),
+                        mass.data_ptr<float>(), tasks);
+}
+
+void kl_rows_grad(Tensor s, Tensor p, Tensor ids, Tensor lse, Tensor mass, double c, double floor, Tensor ds,
+                  int64_t tasks) {
+  const int64_t T1 = s.size(0), K = s.size(1);
+  if (s.f64)
+    kl_rows_grad_impl<double>(s.data_ptr<double>(), p.data_ptr<double>(), ids.data_ptr<int64_t>(),
+                              lse.data_ptr<double>(), mass.data_ptr<double>(), T1, K, c, floor,
+                              ds.data_ptr<double>(), tasks);
+  else
+    kl_rows_grad_impl<float>(s.data_ptr<float>(), p.data_ptr<float>(), ids.data_ptr<int64_t>(),
+                             lse.data_ptr<float>(), mass.data_ptr<float>(), T1, K, static_cast<float>(c),
+                             static_cast<float>(floor), ds.data_ptr<float>(), tasks);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("select", &topk_select, "DSA indexer exact top-k (CPU, keys in vector lanes)");
   mod.def("backward", &backward, "DSA indexer score backward (CPU, selected keys per token)");
+  mod.def("kl_rows", &kl_rows, "DSA indexer loss rows: KL, log-sum-exp and target mass per token (CPU)");
+  mod.def("kl_rows_grad", &kl_rows_grad, "DSA indexer loss rows' gradient in the scores (CPU)");
 }

@@ -10,8 +10,10 @@ from __future__ import annotations
 import torch
 
 from .. import _checks
+from .._numerics import exp_floor
 from ..nsa import cpu_gather
 from .checks import DTYPES, acc_dtype, check_positions, cu_seqlens_list
+from .indexer import EXTENSION
 
 #: bytes of one chunk's gathered keys and logits while computing the target, on the CPU (a few tokens: they stay
 #: in the cache) and on other devices (where a chunk's launches cost more)
@@ -85,6 +87,37 @@ def _target(q, k, indices, scale, cu):
     return p
 
 
+class _KLRows(torch.autograd.Function):
+    """``(1 / T) sum_t KL(p_t || softmax(scores_t))`` by the C++ kernels (``cpu_indexer.cpp`` ``kl_rows``): one pass
+    over each token's slots, no ``[T, topk]`` temporaries; the backward writes ``d scores`` in one more pass."""
+
+    @staticmethod
+    def forward(ctx, scores, p, ids):
+        T = scores.shape[0]
+        kl, lse, mass = (torch.empty(T, dtype=scores.dtype) for _ in range(3))
+        EXTENSION.module().kl_rows(scores, p, ids, exp_floor(scores.dtype), kl, lse, mass, torch.get_num_threads())
+        ctx.save_for_backward(scores, p, ids, lse, mass)
+        return kl.sum() / T
+
+    @staticmethod
+    def backward(ctx, g):
+        scores, p, ids, lse, mass = ctx.saved_tensors
+        ds = torch.empty_like(scores)
+        EXTENSION.module().kl_rows_grad(scores, p, ids, lse, mass, float(g) / scores.shape[0],
+                                        exp_floor(scores.dtype), ds, torch.get_num_threads())
+        return ds, None, None
+
+
+def _kl_torch(scores, p, indices, acc):
+    live = indices >= 0
+    any_live = live.any(dim=1, keepdim=True)
+    # rows without a selected key get finite dummy logits; their p is 0, so they add 0
+    logits = torch.where(live, scores.to(acc), float("-inf")).masked_fill(~any_live, 0.0)
+    logq = torch.log_softmax(logits, dim=1)
+    kl = torch.where(p > 0, p * (torch.log(torch.where(p > 0, p, 1.0)) - logq), 0.0)
+    return kl.sum() / scores.shape[0]
+
+
 def indexer_kl_loss(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, scores: torch.Tensor, *, scale: float,
                     head_num: int, cu_seqlens=None) -> torch.Tensor:
     """The lightning indexer's training loss (DeepSeek-V3.2, docs/dsa.md).
@@ -111,10 +144,6 @@ def indexer_kl_loss(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, sco
     if T == 0:
         return scores.new_zeros((), dtype=acc) + scores.sum() * 0
     p = _target(q, k, indices, scale, cu).to(acc)
-    live = indices >= 0
-    any_live = live.any(dim=1, keepdim=True)
-    # rows without a selected key get finite dummy logits; their p is 0, so they add 0
-    logits = torch.where(live, scores.to(acc), float("-inf")).masked_fill(~any_live, 0.0)
-    logq = torch.log_softmax(logits, dim=1)
-    kl = torch.where(p > 0, p * (torch.log(torch.where(p > 0, p, 1.0)) - logq), 0.0)
-    return kl.sum() / T
+    if scores.device.type == "cpu" and EXTENSION.available(scores):
+        return _KLRows.apply(scores.to(acc).contiguous(), p.contiguous(), indices.to(torch.int64).contiguous())
+    return _kl_torch(scores, p, indices, acc)
