@@ -2,8 +2,9 @@
 
 One sequence, fp32, on the CPU (2 torch threads unless ``--threads``): MQA, N1 = 16 query heads over one KV head,
 Dqk = Dv = 128, ``topk = 2048``, an indexer of Hi = 4 heads x Di = 64. *Ours* is one training step of the attention:
-``indexer_topk`` (exact, chunked), ``nsa_selected_attention`` at token granularity forward and backward (q, k, v),
-and ``indexer_kl_loss`` forward and backward (into the indexer's q, k, weights). *Dense* is
+``indexer_topk`` (exact, chunked), ``sparse_attention`` (``nsa_selected_attention`` at token granularity) forward
+with the loss's target and backward (q, k, v), and ``indexer_kl_loss`` forward and backward (into the indexer's
+q, k, weights), as ``DeepSeekSparseAttention`` runs them. *Dense* is
 ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`` forward and backward on the same q, k, v.
 The two are measured in one process, after an untimed warm-up call of each (a training step's steady state),
 alternating, so a loaded machine slows both alike; the load average is recorded. Goals (docs/perf.md): at least
@@ -27,8 +28,7 @@ if __package__:
 else:
     import _common
 
-import sparseops  # noqa: E402
-from sparseops.dsa import index_scores, indexer_kl_loss, indexer_topk  # noqa: E402
+from sparseops.dsa import index_scores, indexer_kl_loss, indexer_topk, sparse_attention  # noqa: E402
 from sparseops.testing import TOLERANCES, rel_rms_error  # noqa: E402
 
 NAME = "dsa"
@@ -47,10 +47,9 @@ def ours(x, shape, dout):
     """One DSA step: the indexer's top-k, the attention forward + backward, the indexer loss forward + backward."""
     N1, D, topk = shape["N1"], shape["D"], shape["topk"]
     idx, sc = indexer_topk(x["qi"], x["ki"], x["wi"], topk)
-    o = sparseops.nsa_selected_attention(x["q"], x["k"], x["v"], idx[:, None], D ** -0.5, N1, 1, topk,
-                                         sparse_mode=2, validate=False)[0]
+    o, p = sparse_attention(x["q"], x["k"], x["v"], idx, scale=D ** -0.5, return_target=True, validate=False)
     o.backward(dout)
-    loss = indexer_kl_loss(x["q"].detach(), x["k"].detach(), idx, sc, scale=D ** -0.5, head_num=N1)
+    loss = indexer_kl_loss(x["q"].detach(), x["k"].detach(), idx, sc, scale=D ** -0.5, head_num=N1, target=p)
     loss.backward()
     return o.detach(), loss.detach()
 

@@ -119,7 +119,7 @@ def _kl_torch(scores, p, indices, acc):
 
 
 def indexer_kl_loss(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, scores: torch.Tensor, *, scale: float,
-                    head_num: int, cu_seqlens=None) -> torch.Tensor:
+                    head_num: int, cu_seqlens=None, target: torch.Tensor | None = None) -> torch.Tensor:
     """The lightning indexer's training loss (DeepSeek-V3.2, docs/dsa.md).
 
     ``(1 / T) sum_t KL(p_t || softmax(scores_t))`` over each token's selected keys ``S_t`` (the slots of ``indices``
@@ -134,16 +134,22 @@ def indexer_kl_loss(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, sco
         scores: ``[T, topk]`` the indexer's scores at ``indices`` (any value at -1).
         scale: the attention's softmax scale. head_num: ``N1``.
         cu_seqlens: flash-attention cumulative lengths with the leading 0, or None for one sequence.
+        target: ``p [T, topk]`` when the caller has it (:func:`sparseops.dsa.sparse_attention`'s
+            ``return_target``: the same distribution from the attention's own pass), else None: computed here.
 
     Returns:
         a 0-dim tensor, fp32 (float64 for float64 scores).
     """
     scale, cu = _check(q, k, indices, scores, scale, head_num, cu_seqlens)
+    if target is not None:
+        target = _checks.check_tensor("target", target, ndim=2, dtypes=DTYPES)
+        _checks.check_shape("target", target, [("T", q.shape[0]), ("topk", indices.shape[1])])
+        _checks.check_same_device(q=q, target=target)
     T = q.shape[0]
     acc = acc_dtype(scores.dtype)
     if T == 0:
         return scores.new_zeros((), dtype=acc) + scores.sum() * 0
-    p = _target(q, k, indices, scale, cu).to(acc)
+    p = (_target(q, k, indices, scale, cu) if target is None else target.detach()).to(acc)
     if scores.device.type == "cpu" and EXTENSION.available(scores):
         return _KLRows.apply(scores.to(acc).contiguous(), p.contiguous(), indices.to(torch.int64).contiguous())
     return _kl_torch(scores, p, indices, acc)

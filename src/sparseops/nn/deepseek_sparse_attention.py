@@ -7,9 +7,8 @@ from torch import nn
 
 from .. import _checks
 from .._varlen import token_seq_positions
-from ..dsa import indexer_kl_loss, indexer_topk
+from ..dsa import indexer_kl_loss, indexer_topk, sparse_attention
 from ..dsa.checks import DTYPES, cu_seqlens_list
-from ..nsa.api import nsa_selected_attention
 from .rope import apply_rope
 
 
@@ -21,12 +20,12 @@ class DeepSeekSparseAttention(nn.Module):
     [T, Hi, Di]``, ``k_idx = LayerNorm(index_k_proj(x_i)) [T, Di]``, ``weights = index_w_proj(x_i) * Hi^-0.5
     [T, Hi]``; with ``rope_theta`` set, RoPE rotates ``q``, ``k``, ``q_idx`` and ``k_idx`` at their in-sequence
     positions. Each query attends (causally) the ``topk`` keys of :func:`sparseops.dsa.indexer_topk`, all KV
-    heads sharing the selection, through :func:`sparseops.nsa_selected_attention` at token granularity;
-    ``y = o_proj(o)``.
+    heads sharing the selection, through :func:`sparseops.dsa.sparse_attention` (the selected-attention op at
+    token granularity); ``y = o_proj(o)``.
 
     The indexer's selection is not differentiable, so the output trains everything but the indexer; the indexer
     trains on ``info["indexer_loss"]`` (:func:`sparseops.dsa.indexer_kl_loss`, the attention's head-averaged
-    distribution over the selected keys as its target). With ``detach_indexer_input`` that loss reaches only the
+    distribution over the selected keys as its target, from the attention's own pass on the CPU). With ``detach_indexer_input`` that loss reaches only the
     indexer's parameters (the paper's sparse stage). A ``topk`` at least the longest sequence selects every
     visible key: dense attention, the paper's warm-up selection.
 
@@ -119,11 +118,13 @@ class DeepSeekSparseAttention(nn.Module):
             pos = token_seq_positions(cu, device=x.device)[1]
             q, k = apply_rope(q, pos, self.rope_theta), apply_rope(k, pos, self.rope_theta)
         indices, scores = indexer_topk(*self.indexer(x, pos), self.topk, cu_seqlens=cu, causal=True)
-        o = nsa_selected_attention(
-            q, k, v, indices[:, None, :].expand(T, N2, self.topk).contiguous(), self.scale, N1, 1, self.topk,
-            actual_seq_qlen=cu[1:], actual_seq_kvlen=cu[1:], sparse_mode=2, backend=self.backend, validate=False)[0]
+        # with the loss's target from the attention's own pass when the loss is asked for
+        res = sparse_attention(q, k, v, indices, scale=self.scale, cu_seqlens=cu, return_target=return_info,
+                               backend=self.backend, validate=False)
+        o, p = res if return_info else (res, None)
         y = self.o_proj(o.reshape(T, N1 * Dv))
         if not return_info:
             return y
-        loss = indexer_kl_loss(q.detach(), k.detach(), indices, scores, scale=self.scale, head_num=N1, cu_seqlens=cu)
+        loss = indexer_kl_loss(q.detach(), k.detach(), indices, scores, scale=self.scale, head_num=N1, cu_seqlens=cu,
+                               target=p)
         return y, {"indices": indices, "scores": scores, "indexer_loss": loss}

@@ -73,8 +73,10 @@ typename Vec<T>::type softmax_terms(typename Vec<T>::type* s, int64_t n, T floor
   return sum;
 }
 
-// The flat key rows ([T2 * N2] rows) item (t, n2) sees, in slot order; returns their count.
-template <typename T> int64_t visible_rows(const Args<T>& a, int64_t t, int64_t n2, int64_t* rows) {
+// The flat key rows ([T2 * N2] rows) item (t, n2) sees, in slot order, and when `slots` is given each row's slot
+// (token granularity: one row per slot); returns their count.
+template <typename T>
+int64_t visible_rows(const Args<T>& a, int64_t t, int64_t n2, int64_t* rows, int64_t* slots = nullptr) {
   const int64_t* ids = a.topk + (t * a.N2 + n2) * a.K;
   int64_t lim = a.seq_len[t];
   if (a.causal) lim = std::min(lim, a.pos[t] + 1);
@@ -84,7 +86,10 @@ template <typename T> int64_t visible_rows(const Args<T>& a, int64_t t, int64_t 
     const int64_t idx = ids[i];
     if (idx < 0) continue;
     const int64_t p0 = idx * a.bs, p1 = std::min(p0 + a.bs, lim);
-    for (int64_t p = p0; p < p1; ++p) rows[n++] = (base + p) * a.N2 + n2;
+    for (int64_t p = p0; p < p1; ++p) {
+      if (slots != nullptr) slots[n] = i;
+      rows[n++] = (base + p) * a.N2 + n2;
+    }
   }
   return n;
 }
@@ -253,11 +258,12 @@ void load_heads(const T* src, int64_t t, int64_t N1, int64_t D, const Heads<T>& 
 
 template <typename T> struct Scratch {
   typedef typename Vec<T>::type V;
-  std::vector<int64_t> rows;
+  std::vector<int64_t> rows, slots;
   std::vector<V> s, dp, xT, yT, oT;
   std::vector<T> qN, yN;
   Scratch(int64_t KB, int64_t D, int64_t Dv)
-      : rows(KB), s(KB), dp(KB), xT(D), yT(Dv), oT(std::max(D, Dv)), qN(Vec<T>::W * D), yN(Vec<T>::W * Dv) {}
+      : rows(KB), slots(KB), s(KB), dp(KB), xT(D), yT(Dv), oT(std::max(D, Dv)), qN(Vec<T>::W * D),
+        yN(Vec<T>::W * Dv) {}
 };
 
 // Runs fn(item, task, scratch) for every item: items in blocks of 4 dealt round-robin to P tasks, one thread each.
@@ -270,14 +276,16 @@ template <typename T, typename F> void for_items(const Args<T>& a, int64_t P, F 
   });
 }
 
+// tgt (token granularity, or null): each item's share of the DSA loss's target, [T1, N2 * HB, K] with
+// tgt[t, item, slot] = (1 / N1) sum over the item's heads of its softmax at the slot's key (0 where none).
 template <typename T>
-void forward_impl(const Args<T>& a, T* out, T* m, T* l, int64_t P) {
+void forward_impl(const Args<T>& a, T* out, T* m, T* l, T* tgt, int64_t P) {
   typedef typename Vec<T>::type V;
   constexpr int W = Vec<T>::W;
   for_items(a, P, [&](int64_t it, int64_t, Scratch<T>& sc) {
     const int64_t hb = it % a.HB, n2 = (it / a.HB) % a.N2, t = it / (a.HB * a.N2);
     const Heads<T> h(a.G, n2, hb);
-    const int64_t n = visible_rows(a, t, n2, sc.rows.data());
+    const int64_t n = visible_rows(a, t, n2, sc.rows.data(), tgt != nullptr ? sc.slots.data() : nullptr);
     T* o = out + (t * a.N1 + h.h0) * a.Dv;
     if (n == 0) {  // no visible key: out, m, l stay 0
       return;
@@ -290,6 +298,12 @@ void forward_impl(const Args<T>& a, T* out, T* m, T* l, int64_t P) {
     row_combine<T>(s, a.v, sc.rows.data(), n, a.Dv, a.Dv, sc.oT.data(), false);
     V inv;
     for (int i = 0; i < W; ++i) inv[i] = sum[i] > 0 ? T(1) / sum[i] : T(0);
+    if (tgt != nullptr) {  // the item's heads' probabilities at each slot, summed: its share of the target
+      V w{};
+      for (int64_t lane = 0; lane < h.Gh; ++lane) w[lane] = inv[lane] / T(a.N1);
+      T* row = tgt + it * a.K;
+      for (int64_t j = 0; j < n; ++j) row[sc.slots[j]] += sparseops_simd::hsum(s[j] * w);
+    }
     for (int64_t lane = 0; lane < h.Gh; ++lane) {
       for (int64_t d = 0; d < a.Dv; ++d) o[lane * a.Dv + d] = sc.oT[d][lane] * inv[lane];
       m[t * a.N1 + h.h0 + lane] = mx[lane];
@@ -416,15 +430,20 @@ Args<T> make_args(const Tensor& q, const Tensor& k, const Tensor& v, const Tenso
   return a;
 }
 
+// tgt: a [T1, N2 * HB, K] zero tensor for the DSA loss's target (token granularity), or None
 void forward(Tensor q, Tensor k, Tensor v, Tensor topk, Tensor kv_start,
              Tensor seq_len, Tensor pos, int64_t bs, bool causal, double floor, Tensor out,
-             Tensor m, Tensor l, int64_t tasks) {
+             Tensor m, Tensor l, pybind11::object tgt, int64_t tasks) {
+  const bool want = !tgt.is_none();
+  const Tensor tg = want ? Tensor(tgt) : Tensor();
   if (q.f64) {
     auto a = make_args<double>(q, k, v, topk, kv_start, seq_len, pos, bs, causal, floor);
-    forward_impl(a, out.data_ptr<double>(), m.data_ptr<double>(), l.data_ptr<double>(), tasks);
+    forward_impl(a, out.data_ptr<double>(), m.data_ptr<double>(), l.data_ptr<double>(),
+                 want ? tg.data_ptr<double>() : nullptr, tasks);
   } else {
     auto a = make_args<float>(q, k, v, topk, kv_start, seq_len, pos, bs, causal, floor);
-    forward_impl(a, out.data_ptr<float>(), m.data_ptr<float>(), l.data_ptr<float>(), tasks);
+    forward_impl(a, out.data_ptr<float>(), m.data_ptr<float>(), l.data_ptr<float>(),
+                 want ? tg.data_ptr<float>() : nullptr, tasks);
   }
 }
 

@@ -59,20 +59,32 @@ def _flat(x, acc):
     return x.to(acc).contiguous()
 
 
-def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
-    """``(out [T1, N1, Dv]`` in q's dtype, ``m [T1, N1]``, ``l [T1, N1])`` (fp32, float64 for float64)."""
+def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal, target=False):
+    """``(out [T1, N1, Dv]`` in q's dtype, ``m [T1, N1]``, ``l [T1, N1])`` (fp32, float64 for float64).
+
+    ``target=True`` (token granularity, ``bs = 1``) appends ``p [T1, K]`` in m's dtype: the DSA indexer loss's
+    target (docs/dsa.md), ``p[t, i] = (1 / N1) sum_h P[t, h, key of slot i]`` summed over the KV heads' slots
+    ``topk[t, :, i]``, 0 where a slot sees no key, from the same probabilities as ``out``."""
     acc = _acc(q)
     T1, N1, _ = q.shape
-    Dv = v.shape[2]
+    N2, Dv = v.shape[1], v.shape[2]
+    K = topk.shape[2]
+    if target and bs != 1:
+        raise ValueError(f"target: the loss's target is defined at token granularity (bs = 1), got bs = {bs}")
     out = torch.zeros(T1, N1, Dv, dtype=acc)
     m = torch.zeros(T1, N1, dtype=acc)
     l = torch.zeros(T1, N1, dtype=acc)
+    lanes = 8 if acc == torch.float64 else 16
+    parts = N2 * -(-(N1 // N2) // lanes)  # work items per token: KV heads x vectors of query heads
+    tgt = torch.zeros(T1, parts, K, dtype=acc) if target else None
     if T1 > 0 and k.shape[0] > 0:
         starts, lens, pos = token_key_rows(cu_q, cu_kv)
         qa = torch.mul(q.to(acc), scale).contiguous()
         _module().forward(qa, _flat(k, acc), _flat(v, acc), topk.to(torch.int64).contiguous(), starts, lens, pos,
-                          bs, causal, exp_floor(acc), out, m, l, torch.get_num_threads())
-    return out.to(q.dtype), m, l
+                          bs, causal, exp_floor(acc), out, m, l, tgt, torch.get_num_threads())
+    if not target:
+        return out.to(q.dtype), m, l
+    return out.to(q.dtype), m, l, tgt[:, 0] if parts == 1 else tgt.sum(dim=1)
 
 
 def _tasks(rows_kv: int, D: int, Dv: int, elt: int) -> int:

@@ -186,7 +186,8 @@ def _tile_chunk(job, qs, kb, vb, acc):
     return job.from_tokens(ot.mul_(inv[..., None])), job.from_tokens(mt)[..., 0], job.from_tokens(lt)[..., 0]
 
 
-def _cpu_kernels(q, k, bs) -> bool:
+def uses_cpu_kernels(q, k, bs) -> bool:
+    """Whether the C++ CPU path (:mod:`.cpu_gather`) runs this call: enabled, built, and the faster one here."""
     return SETTINGS.get().cpu_kernels and cpu_gather.suits(q, k, bs) and cpu_gather.available(q)
 
 
@@ -196,7 +197,7 @@ _FORWARD = {"union": _forward_union, "tiles": _forward_tiles, "global": _forward
 
 def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
     """``(out [T1, N1, Dv]`` in q's dtype, ``m [T1, N1]``, ``l [T1, N1])`` (fp32, float64 for float64)."""
-    if _cpu_kernels(q, k, bs):
+    if uses_cpu_kernels(q, k, bs):
         return cpu_gather.forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal)
     if bs < 16:  # token granularity: a per-query gather (torch_gather)
         return torch_gather.forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal)
@@ -340,7 +341,7 @@ _BACKWARD = {"union": _backward_union, "tiles": _backward_tiles, "global": _back
 
 def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, deterministic=False):
     """``(dq, dk, dv)`` in the dtypes of q, k, v, from the forward's ``out`` and stats ``m``, ``l`` ``[T1, N1]``."""
-    if _cpu_kernels(q, k, bs):
+    if uses_cpu_kernels(q, k, bs):
         return cpu_gather.backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, deterministic)
     if bs < 16:
         return torch_gather.backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, deterministic)
