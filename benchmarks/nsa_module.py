@@ -19,6 +19,7 @@ Run: ``python benchmarks/nsa_module.py [--quick | --smoke] [--out DIR] [--stages
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import platform
@@ -147,10 +148,21 @@ def _status_kib(field: str) -> int | None:
     return None
 
 
+def _trim_heap() -> None:
+    """Hands the pages glibc keeps from freed blocks back to the OS (``malloc_trim``), so that a call reusing
+    them counts them again; a no-op without glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def rss_peak(fn) -> tuple[object, int | None]:
     """``(fn(), peak resident bytes during the call above the resident bytes before it)``: Linux's ``VmHWM``,
-    reset through ``/proc/self/clear_refs``; None where that is not available. Includes what the allocator keeps
+    reset through ``/proc/self/clear_refs`` after the freed heap pages went back to the OS (else a call reusing
+    an earlier call's pages would show 0); None where that is not available. Includes what the allocator keeps
     cached, so it is an upper bound of the live tensors."""
+    _trim_heap()
     try:
         Path("/proc/self/clear_refs").write_text("5")
         before = _status_kib("VmRSS")
