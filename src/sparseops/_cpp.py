@@ -21,6 +21,11 @@ from pathlib import Path
 
 import torch
 
+#: dtypes the kernels take (fp32 and float64 natively; fp16 / bf16 inputs are computed in fp32, as on the torch paths)
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+#: the most bytes a kernel's per-thread gradient buffers may take together (fewer threads above it)
+TASK_BYTES = 1 << 30
+
 _CSRC = Path(__file__).with_name("csrc")
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-pthread"]
 
@@ -84,6 +89,7 @@ class Extension:
         return st["module"]
 
     def available(self, x: torch.Tensor) -> bool:
-        """Whether a call on ``x`` can run here: a CPU tensor, enabled, not while ``torch.compile`` traces, built."""
-        return (x.device.type == "cpu" and enabled() and not torch.compiler.is_compiling()
+        """Whether a call on ``x`` can run here: a CPU tensor of a dtype in :data:`DTYPES`, enabled, not while
+        ``torch.compile`` traces, built."""
+        return (x.device.type == "cpu" and x.dtype in DTYPES and enabled() and not torch.compiler.is_compiling()
                 and self.module() is not None)

@@ -1,8 +1,17 @@
-"""Numeric helpers shared by the torch paths of the attention ops (docs/internals.md)."""
+"""Numeric helpers shared by the torch paths of the ops (docs/internals.md)."""
 
 from __future__ import annotations
 
 import torch
+
+
+def acc_dtype(*xs) -> torch.dtype:
+    """The arithmetic dtype for inputs ``xs`` (tensors or dtypes; None is skipped): float64 when any is float64,
+    else fp32 (fp16 / bf16 inputs are computed in fp32). Also the dtype of the ops' softmax statistics."""
+    for x in xs:
+        if x is not None and (x if isinstance(x, torch.dtype) else x.dtype) == torch.float64:
+            return torch.float64
+    return torch.float32
 
 
 def exp_floor(acc: torch.dtype) -> float:

@@ -65,12 +65,12 @@ def token_seq_positions(cu: list[int], device=None) -> tuple[torch.Tensor, torch
     return seq_id, pos
 
 
-def token_key_rows(cu_q: list[int], cu_kv: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per packed query token (CPU int64, contiguous): its sequence's first key row in ``cu_kv``, that
-    sequence's key count, and the token's own in-sequence position."""
-    seq, pos = token_seq_positions(cu_q)
-    starts = torch.tensor(cu_kv[:-1], dtype=torch.int64)
-    lens = torch.tensor(seq_lengths(cu_kv), dtype=torch.int64)
+def token_key_rows(cu_q: list[int], cu_kv: list[int], device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per packed query token (int64, contiguous, on ``device``, the CPU by default): its sequence's first key
+    row in ``cu_kv``, that sequence's key count, and the token's own in-sequence position."""
+    seq, pos = token_seq_positions(cu_q, device=device)
+    starts = torch.tensor(cu_kv[:-1], dtype=torch.int64, device=device)
+    lens = torch.tensor(seq_lengths(cu_kv), dtype=torch.int64, device=device)
     return starts[seq].contiguous(), lens[seq].contiguous(), pos.contiguous()
 
 

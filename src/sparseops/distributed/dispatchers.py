@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._numerics import acc_dtype
 from ..moe.api import moe_token_permute_with_ep, moe_token_unpermute_with_ep
 from .collectives import Group, all_gather, all_to_all, reduce_scatter
 
@@ -60,10 +61,6 @@ class Plan:
         return lo, lo + sum(C[self.local_slice(self.rank)])
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def dispatch_local(x: torch.Tensor, indices: torch.Tensor, probs: torch.Tensor, plan: Plan, experts: Experts,
                    group: Group = None, backend: str = "auto") -> torch.Tensor:
     """``y[t] = sum_k probs[t, k] * expert_{indices[t, k]}(x[t])`` with every expert in this process.
@@ -94,7 +91,7 @@ def dispatch_allgather(x: torch.Tensor, indices: torch.Tensor, probs: torch.Tens
     p_g = all_gather(probs, group, plan.tokens)
     rows, sidx, _ = moe_token_permute_with_ep(x_g, idx_g, None, [lo, hi], backend=backend, validate=False)
     out = experts(rows, plan.group_counts()[plan.local_slice(plan.rank)])
-    part = moe_token_unpermute_with_ep(out.to(_acc(x.dtype)), sidx, p_g, range=[lo, hi], backend=backend,
+    part = moe_token_unpermute_with_ep(out.to(acc_dtype(x.dtype)), sidx, p_g, range=[lo, hi], backend=backend,
                                        validate=False)
     return reduce_scatter(part, group, plan.tokens).to(x.dtype)
 

@@ -6,14 +6,10 @@ from __future__ import annotations
 import torch
 
 from .. import _checks, _varlen
+from .._numerics import acc_dtype  # noqa: F401  (the dsa modules' import of the rule)
 
 #: dtypes of the indexer's and the attention's inputs
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 arithmetic, float64 for float64 inputs."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def cu_seqlens_list(cu, total: int) -> list[int]:

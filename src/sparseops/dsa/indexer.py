@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .. import _checks
-from .._cpp import Extension
+from .._cpp import TASK_BYTES, Extension
 from .._varlen import token_key_rows
 from .checks import acc_dtype, check_indexer_args
 
@@ -27,10 +27,6 @@ from .checks import acc_dtype, check_indexer_args
 CHUNK_BYTES = 32 * 2**20
 #: bytes of one chunk's gathered keys in the CPU backward: a few tokens, so that they stay in the cache
 BACKWARD_CHUNK_BYTES = 4 * 2**20
-#: the most bytes the C++ backward's per-thread dk buffers may take together
-TASK_BYTES = 1 << 30
-#: dtypes the C++ backward takes (fp16 / bf16 computed in fp32)
-DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 #: the score backward on the CPU (``cpu_indexer.cpp``, built on first use; the torch ops where it cannot be)
 EXTENSION = Extension("dsa_indexer", Path(__file__).with_name("cpu_indexer.cpp"), "the DSA indexer")
@@ -85,7 +81,7 @@ def _select(q_idx, k_idx, weights, topk, cu, causal):
     """``(indices int32 [T, topk], scores [T, topk])``, -1 / -inf in unused slots."""
     T, Hi, _ = q_idx.shape
     acc = acc_dtype(q_idx.dtype)
-    if q_idx.dtype in DTYPES and EXTENSION.available(q_idx):
+    if EXTENSION.available(q_idx):
         return _cpu_select(q_idx, k_idx, weights, topk, cu, causal, acc)
     dev = q_idx.device
     indices = torch.full((T, topk), -1, dtype=torch.int32, device=dev)
@@ -159,7 +155,7 @@ class _IndexerTopk(torch.autograd.Function):
         dw = torch.zeros(weights.shape, dtype=acc, device=q_idx.device)
         if T == 0 or d_scores is None:
             return dq.to(q_idx.dtype), dk.to(k_idx.dtype), dw.to(weights.dtype), None, None, None
-        if q_idx.dtype in DTYPES and EXTENSION.available(q_idx):
+        if EXTENSION.available(q_idx):
             dq, dk, dw = _cpu_backward(q_idx, k_idx, weights, indices, start, d_scores, acc)
             return dq.to(q_idx.dtype), dk.to(k_idx.dtype), dw.to(weights.dtype), None, None, None
         elt = torch.finfo(acc).bits // 8

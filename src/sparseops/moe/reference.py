@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _acc_dtype(*ts) -> torch.dtype:
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ts) else torch.float32
+from .._numerics import acc_dtype
 
 
 def sorted_indices_from(indices: torch.Tensor) -> torch.Tensor:
@@ -41,7 +39,7 @@ def permute(tokens, sorted_indices, probs, K, s, e):
 def unpermute(permuted_tokens, sorted_indices, probs, K, s, e):
     """``out[t] = sum_k probs[t, k] * permuted_tokens[v - s]`` over valid slots, k ascending; prob == 0 skipped."""
     T, H = sorted_indices.numel() // K, permuted_tokens.shape[1]
-    acc = _acc_dtype(permuted_tokens, probs)
+    acc = acc_dtype(permuted_tokens, probs)
     out = torch.zeros(T, H, dtype=acc, device=permuted_tokens.device)
     si = sorted_indices.tolist()
     for t in range(T):
@@ -63,7 +61,7 @@ def unpermute_grad(grad, sorted_indices, permuted_tokens, probs, K, s, e):
     """The seed op. With probs: ``ptg[v - s] = grad[t] * probs[t, k]``, ``probs_grad[t, k] = <permuted_tokens[v - s], grad[t]>``
     (0 for invalid slots). Without: ``ptg[v - s] = grad[t]`` exactly, ``probs_grad = None``."""
     T, H = grad.shape
-    acc = _acc_dtype(grad, permuted_tokens, probs)
+    acc = acc_dtype(grad, permuted_tokens, probs)
     ptg = torch.zeros(e - s, H, dtype=grad.dtype, device=grad.device)
     pg = None if probs is None else torch.zeros(T, K, dtype=probs.dtype, device=grad.device)
     si = sorted_indices.tolist()
@@ -85,7 +83,7 @@ def permute_grad(permuted_tokens_grad, sorted_indices, permuted_probs_grad, K, s
     """``tokens_grad[t] = sum_k ptg[v - s]`` over valid slots; ``probs_grad[t, k] = permuted_probs_grad[v - s]`` or 0."""
     N = sorted_indices.numel()
     T, H = N // K, permuted_tokens_grad.shape[1]
-    acc = _acc_dtype(permuted_tokens_grad)
+    acc = acc_dtype(permuted_tokens_grad)
     tg = torch.zeros(T, H, dtype=acc, device=permuted_tokens_grad.device)
     pg = None
     if permuted_probs_grad is not None:

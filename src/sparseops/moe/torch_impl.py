@@ -24,6 +24,7 @@ import sys
 import torch
 
 from .. import _compile
+from .._numerics import acc_dtype as _acc_rule
 from .._settings import Settings
 from . import workspace
 
@@ -153,10 +154,6 @@ def _sum_over_k_fused(src, rows, w, out):
     out.copy_(acc)
 
 
-def _acc_dtype(*ts) -> torch.dtype:
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ts) else torch.float32
-
-
 def _chunk_rows(H: int, itemsize: int, factor: int = 1) -> int:
     return max(16, SETTINGS.get().chunk_bytes * factor // max(1, H * itemsize))
 
@@ -199,7 +196,7 @@ def _sum_over_k(src, rows, valid, weights, out):
     and compiled paths agree bitwise), rounded once into ``out``. ``weights`` None means plain sum."""
     T, K = rows.shape
     H = src.shape[1]
-    acc_dtype = _acc_dtype(src, weights)
+    acc_dtype = _acc_rule(src, weights)
     direct = out.dtype == acc_dtype  # accumulate straight into the output
     if weights is not None:
         valid = valid & (weights != 0)
@@ -295,7 +292,7 @@ def unpermute_grad(grad, sorted_indices, permuted_tokens, probs, K, s, e):
     R = e - s
     if probs is None:
         return torch.index_select(grad, 0, tok, out=_empty_rows(R, H, grad.dtype, grad.device)), None
-    acc_dtype = _acc_dtype(grad, permuted_tokens, probs)
+    acc_dtype = _acc_rule(grad, permuted_tokens, probs)
     ptg = _empty_rows(R, H, grad.dtype, grad.device)
     row_probs = probs.reshape(-1).index_select(0, slots)
     if grad.dtype == probs.dtype or acc_dtype == torch.float64:

@@ -19,6 +19,7 @@ from torch import nn
 
 from .. import _compile
 from .._checks import check_int
+from .._numerics import acc_dtype
 from .._settings import Settings
 from ..moe.torch_impl import _empty_rows
 
@@ -129,7 +130,7 @@ def _act_fwd(h1: torch.Tensor, h3: torch.Tensor | None) -> torch.Tensor:
         out = _empty(h1.shape, h1)
         if _swiglu_fwd_fused(h1, h3, out):
             return out
-    acc = torch.float64 if h1.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(h1)
     a = h1.to(acc)
     if h3 is None:
         return F.gelu(a).to(h1.dtype)
@@ -142,7 +143,7 @@ def _act_bwd(da: torch.Tensor, h1: torch.Tensor, h3: torch.Tensor | None):
         dh1, dh3 = _empty(h1.shape, h1), _empty(h3.shape, h3)
         if _swiglu_bwd_fused(da, h1, h3, dh1, dh3):
             return dh1, dh3
-    acc = torch.float64 if h1.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(h1)
     a, g = h1.to(acc), da.to(acc)
     sig = torch.sigmoid(a)
     if h3 is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .._numerics import acc_dtype
 from .experts import _empty, _mm_rows, _mm_weight_grad, _use_grouped, check_counts
 
 
@@ -27,7 +28,7 @@ def _bias_rows(bias: torch.Tensor, counts: list[int], R: int) -> torch.Tensor:
 
 def _bias_grad(g: torch.Tensor, counts: list[int], E: int, dtype: torch.dtype) -> torch.Tensor:
     """``gb[e] = sum of g[rows of e]`` in fp32 (float64 for float64), rounded once; zeros for empty experts."""
-    acc = torch.float64 if g.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(g)
     gb = torch.zeros(E, g.shape[1], dtype=acc, device=g.device)
     s = 0
     for e, c in enumerate(counts):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .._numerics import acc_dtype
+
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate pairs ``(x[..., i], x[..., i + D/2])`` by the angle ``positions * theta ** (-2i / D)``.
@@ -17,7 +19,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.
         ``[T, N, D]`` in x's dtype (angles in fp32, float64 for float64 inputs).
     """
     D = x.shape[-1]
-    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    cdt = acc_dtype(x)
     inv = theta ** (-torch.arange(0, D // 2, device=x.device, dtype=cdt) * 2.0 / D)
     ang = positions.to(cdt)[:, None] * inv[None, :]
     cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]

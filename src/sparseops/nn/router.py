@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._checks import check_float, check_int
+from .._numerics import acc_dtype
 from .stats import gather_stats
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -32,7 +33,7 @@ class RouterOutput(NamedTuple):
 
 def router_dtype(dtype: torch.dtype) -> torch.dtype:
     """The router's compute dtype for inputs of ``dtype``: float64 stays float64, everything else runs in fp32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    return acc_dtype(dtype)
 
 
 class TopKRouter(nn.Module):

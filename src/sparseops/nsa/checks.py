@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import _checks
+from .._numerics import acc_dtype
 from .._varlen import normalize_cu_seqlens, token_seq_positions
 
 #: input dtypes: CANN's fp16/bf16, fp32 for testing, float64 for gradcheck (stats then are float64 too)
@@ -47,9 +48,8 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def stats_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype of ``softmax_max`` / ``softmax_sum`` for inputs of ``dtype``: fp32, float64 for float64."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+#: dtype of ``softmax_max`` / ``softmax_sum`` for inputs of a dtype: fp32, float64 for float64
+stats_dtype = acc_dtype
 
 
 def check_args(

@@ -22,14 +22,9 @@ from pathlib import Path
 
 import torch
 
-from .._cpp import Extension
-from .._numerics import exp_floor, row_dot
+from .._cpp import TASK_BYTES, Extension
+from .._numerics import acc_dtype, exp_floor, row_dot
 from .._varlen import token_key_rows
-
-#: the most bytes the per-task dK / dV buffers of one backward may take together
-TASK_BYTES = 1 << 30
-#: dtypes this path takes (fp16 / bf16 inputs are computed in fp32, as on the torch path)
-DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 EXTENSION = Extension("nsa_cpu", Path(__file__).with_name("cpu_gather.cpp"), "NSA selected attention")
 
@@ -40,7 +35,7 @@ def _module():
 
 def available(q: torch.Tensor) -> bool:
     """Whether a call with query ``q`` can run here: a CPU tensor of a supported dtype, enabled, and built."""
-    return q.dtype in DTYPES and EXTENSION.available(q)
+    return EXTENSION.available(q)
 
 
 def suits(q: torch.Tensor, k: torch.Tensor, bs: int) -> bool:
@@ -49,10 +44,6 @@ def suits(q: torch.Tensor, k: torch.Tensor, bs: int) -> bool:
     leave lanes idle, where the torch path's block tiles share a block among tokens."""
     lanes = 8 if q.dtype == torch.float64 else 16
     return bs < 16 or q.shape[1] // max(1, k.shape[1]) >= lanes
-
-
-def _acc(q: torch.Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 def _flat(x, acc):
@@ -65,7 +56,7 @@ def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal, target=False):
     ``target=True`` (token granularity, ``bs = 1``) appends ``p [T1, K]`` in m's dtype: the DSA indexer loss's
     target (docs/dsa.md), ``p[t, i] = (1 / N1) sum_h P[t, h, key of slot i]`` summed over the KV heads' slots
     ``topk[t, :, i]``, 0 where a slot sees no key, from the same probabilities as ``out``."""
-    acc = _acc(q)
+    acc = acc_dtype(q)
     T1, N1, _ = q.shape
     N2, Dv = v.shape[1], v.shape[2]
     K = topk.shape[2]
@@ -95,7 +86,7 @@ def _tasks(rows_kv: int, D: int, Dv: int, elt: int) -> int:
 def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, deterministic=False):
     """``(dq, dk, dv)`` in the dtypes of q, k, v, from the forward's ``out`` and stats ``m``, ``l`` ``[T1, N1]``.
     Always bitwise repeatable for a given thread count (``deterministic`` is accepted for the contract)."""
-    acc = _acc(q)
+    acc = acc_dtype(q)
     T1, N1, D = q.shape
     T2, N2, Dv = v.shape
     dq = torch.zeros(T1, N1, D, dtype=acc)
@@ -121,7 +112,7 @@ def head_mean_probs(q, k, indices, scale, cu):
     """``p [T, topk]`` (fp32, float64 for float64): the head-averaged softmax of ``scale * q . k`` over each token's
     selected keys ``indices [T, topk]`` (in-sequence positions, -1 unused: 0 there), the DSA indexer loss's target
     (:mod:`sparseops.dsa.loss`); ``k [T, N2, D]`` by KV head."""
-    acc = _acc(q)
+    acc = acc_dtype(q)
     T = q.shape[0]
     p = torch.zeros(T, indices.shape[1], dtype=acc)
     if T > 0:

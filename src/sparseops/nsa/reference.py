@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _acc(q):
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
+from .._numerics import acc_dtype
 
 
 def gather_visible(topk_row, bs, kv_start, S2, s1, causal):
@@ -43,7 +41,7 @@ def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
     T1, N1, _ = q.shape
     N2, Dv = k.shape[1], v.shape[2]
     G = N1 // N2
-    acc = _acc(q)
+    acc = acc_dtype(q)
     out = torch.zeros(T1, N1, Dv, dtype=acc, device=q.device)
     m = torch.zeros(T1, N1, dtype=acc, device=q.device)
     l = torch.zeros(T1, N1, dtype=acc, device=q.device)
@@ -66,7 +64,7 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     T1, N1, _ = q.shape
     N2 = k.shape[1]
     G = N1 // N2
-    acc = _acc(q)
+    acc = acc_dtype(q)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)

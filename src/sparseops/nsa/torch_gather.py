@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from .._numerics import exp_floor, row_dot
-from .._varlen import token_seq_positions
+from .._numerics import acc_dtype, exp_floor, row_dot
+from .._varlen import token_key_rows
 
 #: bytes of one chunk's work tensors (gathered keys and values, scores and their gradients) on the CPU
 CHUNK_BYTES = 8 * 2**20
@@ -34,20 +34,13 @@ INDEX_BYTES = 4 * 2**20
 _NEG_INF = float("-inf")
 
 
-def _acc(q: torch.Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
 class _Rows:
     """Per call: each token's key start, sequence length and in-sequence position, and the chunk sizes."""
 
     def __init__(self, q, k, topk, bs, cu_q, cu_kv, per_key_bytes):
         T1 = q.shape[0]
         dev = q.device
-        seq, self.pos = token_seq_positions(cu_q, device=dev)
-        starts = torch.tensor(cu_kv[:-1], dtype=torch.int64, device=dev)
-        lens = torch.tensor([b - a for a, b in zip(cu_kv[:-1], cu_kv[1:])], dtype=torch.int64, device=dev)
-        self.kv_start, self.S2 = starts[seq], lens[seq]
+        self.kv_start, self.S2, self.pos = token_key_rows(cu_q, cu_kv, device=dev)
         self.N2, self.bs, self.K = k.shape[1], bs, topk.shape[2]
         self.KB = self.K * bs
         self.r = torch.arange(bs, dtype=torch.int64, device=dev)
@@ -108,7 +101,7 @@ def _gather(flat, rows, buf):
 
 def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
     """``(out [T1, N1, Dv]`` in q's dtype, ``m [T1, N1]``, ``l [T1, N1])`` (fp32, float64 for float64)."""
-    acc = _acc(q)
+    acc = acc_dtype(q)
     T1, N1, Dqk = q.shape
     N2, Dv = k.shape[1], v.shape[2]
     G = N1 // N2
@@ -153,7 +146,7 @@ def _accumulate(flat, rows, src, deterministic):
 
 def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, deterministic=False):
     """``(dq, dk, dv)`` in the dtypes of q, k, v, from the forward's ``out`` and stats ``m``, ``l`` ``[T1, N1]``."""
-    acc = _acc(q)
+    acc = acc_dtype(q)
     T1, N1, Dqk = q.shape
     N2, Dv = k.shape[1], v.shape[2]
     G = N1 // N2

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .._numerics import exp_floor, row_dot
+from .._numerics import acc_dtype, exp_floor, row_dot
 from . import cpu_gather, torch_gather
 from .torch_plan import SETTINGS, NsaTorchSettings, Plan
 
@@ -71,10 +71,6 @@ def _masked_max(x, w, out):
 def _dsoftmax(ds, d, p):
     """``ds`` <- ``(ds - d) * p``."""
     return ds.sub_(d).mul_(p)
-
-
-def _acc(q: torch.Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 def _zero_hidden_(x, part):
@@ -201,7 +197,7 @@ def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal):
         return cpu_gather.forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal)
     if bs < 16:  # token granularity: a per-query gather (torch_gather)
         return torch_gather.forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal)
-    acc = _acc(q)
+    acc = acc_dtype(q)
     T1, N1, Dqk = q.shape
     Dv = v.shape[2]
     plan = Plan(q, k, topk, bs, cu_q, cu_kv, causal)
@@ -345,7 +341,7 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
         return cpu_gather.backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, deterministic)
     if bs < 16:
         return torch_gather.backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, deterministic)
-    acc = _acc(q)
+    acc = acc_dtype(q)
     T1, N1, Dqk = q.shape
     Dv = v.shape[2]
     plan = Plan(q, k, topk, bs, cu_q, cu_kv, causal)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .. import _checks
+from .._numerics import acc_dtype
 from .._varlen import cu_seqlens_list  # noqa: F401  shared with sparseops.dsa
 
 #: input dtypes of the pieces: fp16/bf16/fp32 for models, float64 for the oracles and gradcheck
@@ -19,9 +20,8 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def stats_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of softmax statistics and of the arithmetic: fp32, float64 for float64 inputs."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+#: the dtype of softmax statistics and of the arithmetic for inputs of a dtype: fp32, float64 for float64
+stats_dtype = acc_dtype
 
 
 def check_blocks(block_size, stride, select_block_size=None) -> tuple[int, int]:
