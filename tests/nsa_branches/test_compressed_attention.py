@@ -13,7 +13,16 @@ CASES = [
     ("packed-short-len0-G3", [0, 20, 20, 75, 140], 6, 2, 8, 4, 16, 8),
     ("fla-l-eq-d-G16", [0, 90], 16, 1, 8, 8, 16, 16),
     ("all-too-short", [0, 5, 12], 2, 1, 8, 8, 16, 8),
+    ("G8-packed-len0", [0, 40, 40, 120], 16, 2, 8, 8, 16, 8),
 ]
+
+
+@pytest.fixture(autouse=True, params=["cpu-kernels", "chunks"])
+def _paths(request):
+    """Every test twice: the C++ range kernels where they apply (G filling a vector: the G8 / G16 cases in
+    float64) and the chunked torch path."""
+    with chunked_attention.SETTINGS.override(cpu_kernels=request.param == "cpu-kernels"):
+        yield
 
 
 def _inputs(cu, N1, N2, Dqk, Dv, l, d, dtype=torch.float64, seed=0):

@@ -14,7 +14,16 @@ CASES = [
     ("packed-len0-len1", [0, 7, 7, 8, 40], 4, 2, 16, 8, 5),
     ("window-longer-than-seq", [0, 13, 30], 3, 3, 8, 8, 100),
     ("G16", [0, 50], 16, 1, 8, 8, 17),
+    ("G8-packed-len0", [0, 30, 30, 95], 16, 2, 16, 8, 9),
 ]
+
+
+@pytest.fixture(autouse=True, params=["cpu-kernels", "chunks"])
+def _paths(request):
+    """Every test twice: the C++ range kernels where they apply (G filling a vector: the G8 / G16 cases in
+    float64) and the chunked torch path."""
+    with chunked_attention.SETTINGS.override(cpu_kernels=request.param == "cpu-kernels"):
+        yield
 
 
 def _inputs(cu, N1, N2, Dqk, Dv, dtype=torch.float64, seed=0):

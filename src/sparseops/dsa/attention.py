@@ -3,7 +3,7 @@
 :func:`sparse_attention` is :func:`sparseops.nsa_selected_attention` at token granularity over the indexer's
 ``indices [T, topk]`` (every KV head attends the same keys), causal, returning the output and, when asked, the
 indexer loss's target ``p [T, topk]`` for :func:`sparseops.dsa.indexer_kl_loss`'s ``target=``. On the CPU's C++
-path (``nsa/cpu_gather.cpp``) the target comes out of the attention's own forward, from the probabilities it
+path (``csrc/attention.cpp``) the target comes out of the attention's own forward, from the probabilities it
 computes anyway; elsewhere it is computed as :func:`indexer_kl_loss` would (one more pass over the keys).
 """
 

@@ -1,5 +1,6 @@
 """The C++ CPU path of NSA selected attention: each (query token, KV head) with its gathered keys in the cache and
-its query heads in the lanes of one vector register (``cpu_gather.cpp``; docs/nsa.md, "The C++ CPU path").
+its query heads in the lanes of one vector register (the kernels of :mod:`sparseops._cpu_attention`,
+``csrc/attention.cpp``; docs/nsa.md, "The C++ CPU path").
 
 The torch paths (:mod:`.torch_impl` for blocks, :mod:`.torch_gather` for token granularity) run every product
 as a torch matmul on gathered copies of the keys; with G query heads per KV head those are ``[G, D] x [D, n]``
@@ -11,43 +12,30 @@ clamped to ``[exp_floor, 80]``; a row with no visible key gives 0).
 Built on first use (:mod:`sparseops._cpp`); when it cannot be built the torch path runs.
 ``SPARSEOPS_CPU_KERNELS=0`` or the torch backend's ``cpu_kernels=False`` knob turns it off.
 
-Determinism: dK / dV go into one buffer per task (``tasks``: the torch thread count, fewer when the buffers
-would pass :data:`TASK_BYTES`), each task handles a fixed set of tokens, and the buffers are added in task
-order: repeated calls with the same thread count give the same bits.
+Determinism: dK / dV go into one buffer per task, added in task order (:mod:`sparseops._cpu_attention`):
+repeated calls with the same thread count give the same bits.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from .._cpp import TASK_BYTES, Extension
-from .._numerics import acc_dtype, exp_floor, row_dot
+from .._cpu_attention import EXTENSION, available, fills_lanes  # noqa: F401  (this path's names for them)
+from .._cpu_attention import flat as _flat
+from .._cpu_attention import run_backward as _backward
+from .._numerics import acc_dtype, exp_floor
 from .._varlen import token_key_rows
-
-EXTENSION = Extension("nsa_cpu", Path(__file__).with_name("cpu_gather.cpp"), "NSA selected attention")
 
 
 def _module():
     return EXTENSION.module()
 
 
-def available(q: torch.Tensor) -> bool:
-    """Whether a call with query ``q`` can run here: a CPU tensor of a supported dtype, enabled, and built."""
-    return EXTENSION.available(q)
-
-
 def suits(q: torch.Tensor, k: torch.Tensor, bs: int) -> bool:
     """Whether this path is the faster one for the call's shape: token granularity (the torch path gathers per
     token too), or at least a vector's lanes of query heads per KV head (16 in fp32, 8 in float64); fewer heads
     leave lanes idle, where the torch path's block tiles share a block among tokens."""
-    lanes = 8 if q.dtype == torch.float64 else 16
-    return bs < 16 or q.shape[1] // max(1, k.shape[1]) >= lanes
-
-
-def _flat(x, acc):
-    return x.to(acc).contiguous()
+    return bs < 16 or fills_lanes(q, k)
 
 
 def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal, target=False):
@@ -78,34 +66,19 @@ def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal, target=False):
     return out.to(q.dtype), m, l, tgt[:, 0] if parts == 1 else tgt.sum(dim=1)
 
 
-def _tasks(rows_kv: int, D: int, Dv: int, elt: int) -> int:
-    per_task = max(1, rows_kv * (D + Dv) * elt)
-    return max(1, min(torch.get_num_threads(), TASK_BYTES // per_task))
-
-
 def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, deterministic=False):
     """``(dq, dk, dv)`` in the dtypes of q, k, v, from the forward's ``out`` and stats ``m``, ``l`` ``[T1, N1]``.
     Always bitwise repeatable for a given thread count (``deterministic`` is accepted for the contract)."""
     acc = acc_dtype(q)
-    T1, N1, D = q.shape
-    T2, N2, Dv = v.shape
-    dq = torch.zeros(T1, N1, D, dtype=acc)
-    if T1 == 0 or T2 == 0:
-        return dq.to(q.dtype), torch.zeros_like(k), torch.zeros_like(v)
-    elt = torch.finfo(acc).bits // 8
-    P = _tasks(T2 * N2, D, Dv, elt)
-    dk = torch.zeros(P, T2 * N2, D, dtype=acc)
-    dv = torch.zeros(P, T2 * N2, Dv, dtype=acc)
+    lse = torch.where(l > 0, m.to(acc) + torch.log(l.to(acc)), 0.0)
     starts, lens, pos = token_key_rows(cu_q, cu_kv)
-    qa = torch.mul(q.to(acc), scale).contiguous()
-    delta = row_dot(dout, out, acc).contiguous()
-    lse = torch.where(l > 0, m.to(acc) + torch.log(l.to(acc)), 0.0).contiguous()
-    _module().backward(qa, _flat(k, acc), _flat(v, acc), _flat(dout, acc), lse, delta,
-                       topk.to(torch.int64).contiguous(), starts, lens, pos, bs, causal, exp_floor(acc), float(scale),
-                       dq, dk, dv, P)
-    dk = dk[0] if P == 1 else dk.sum(dim=0)
-    dv = dv[0] if P == 1 else dv.sum(dim=0)
-    return dq.to(q.dtype), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype)
+    ids = topk.to(torch.int64).contiguous()
+
+    def call(qa, kf, vf, df, ls, delta, dq, dk, dv, P):
+        _module().backward(qa, kf, vf, df, ls, delta, ids, starts, lens, pos, bs, causal, exp_floor(acc),
+                           float(scale), dq, dk, dv, P)
+
+    return _backward(q, k, v, out, dout, lse, scale, call)
 
 
 def head_mean_probs(q, k, indices, scale, cu):

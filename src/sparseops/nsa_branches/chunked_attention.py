@@ -17,8 +17,10 @@ import dataclasses
 
 import torch
 
+from .. import _cpu_attention as cpu_attention
 from .._numerics import exp_floor, row_dot
 from .._settings import Settings
+from .._varlen import seq_lengths, token_seq_positions
 from .checks import stats_dtype
 
 
@@ -32,6 +34,10 @@ class ChunkSettings:
     #: and at most this many matmul rows (tokens x G query heads of a KV head): with G = 16, chunks of 64
     #: tokens still make 1024-row matmuls and waste 12 % of the keys instead of 50 %
     window_matrix_rows: int = 1024
+    #: on the CPU, the C++ attention kernels in range mode (``sparseops._cpu_attention``: each
+    #: token's contiguous keys read in place, its query heads in vector lanes) where they build and the query
+    #: heads per KV head fill a vector (16 fp32, 8 float64); the chunks otherwise
+    cpu_kernels: bool = True
 
 
 SETTINGS = Settings(ChunkSettings())
@@ -191,10 +197,28 @@ def _plan(q, k, cu, cu_k, l, d, window):
     return compressed_chunks(cu, cu_k, l, d, q.shape[1], elt), d, None
 
 
+def _cpu_ranges(q, k):
+    return SETTINGS.get().cpu_kernels and cpu_attention.fills_lanes(q, k) and cpu_attention.available(q)
+
+
+def key_ranges(cu: list[int], cu_k: list[int], l: int, d: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query token the key rows it sees, ``[lo, hi)`` (int64, CPU): the window's ``w`` latest tokens up to
+    itself (``window > 0``), else the compressed blocks ``j`` of its sequence with ``j*d + l - 1 <= p``."""
+    seq, pos = token_seq_positions(cu)
+    start = torch.tensor(cu_k[:-1], dtype=torch.int64)[seq]
+    if window > 0:
+        return start + (pos - window + 1).clamp_(min=0), start + pos + 1
+    count = torch.tensor(seq_lengths(cu_k), dtype=torch.int64)[seq]
+    seen = torch.where(pos >= l - 1, torch.div(pos - (l - 1), d, rounding_mode="floor") + 1, 0)
+    return start, start + torch.minimum(seen, count)
+
+
 # Custom ops: torch.compile sees one opaque node per call (the chunk plan reads the settings and loops in Python).
 @torch.library.custom_op("sparseops::nsa_chunked_attention_fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], cu_k: list[int], l: int, d: int,
             window: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if _cpu_ranges(q, k):
+        return cpu_attention.forward_ranges(q, k, v, *key_ranges(cu, cu_k, l, d, window), scale)
     chunks, kstep, span = _plan(q, k, cu, cu_k, l, d, window)
     return attention_forward(q, k, v, chunks, kstep, span, scale)
 
@@ -208,6 +232,8 @@ def _(q, k, v, cu, cu_k, l, d, window, scale):
 def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
             cu: list[int], cu_k: list[int], l: int, d: int, window: int,
             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _cpu_ranges(q, k):
+        return cpu_attention.backward_ranges(q, k, v, o, lse, do, *key_ranges(cu, cu_k, l, d, window), scale)
     chunks, kstep, span = _plan(q, k, cu, cu_k, l, d, window)
     return attention_backward(q, k, v, o, lse, do, chunks, kstep, span, scale)
 

@@ -1,7 +1,10 @@
 // NSA selected attention on the CPU, one (query token, KV head) at a time with its gathered keys in the cache
 // and its heads in the lanes of one vector register (docs/nsa.md, "The C++ CPU path"; docs/perf.md).
 //
-// Arguments arrive validated and contiguous from sparseops/nsa/cpu_gather.py:
+// Range mode (forward_ranges / backward_ranges: the NSA module's sliding-window and compressed branches): token t
+// sees the contiguous key rows [lo[t], hi[t]) of each KV head, no other rule.
+//
+// Arguments arrive validated and contiguous from sparseops/_cpu_attention.py and sparseops/nsa/cpu_gather.py:
 //   q [T1, N1, D] pre-scaled by the softmax scale, k [T2, N2, D], v [T2, N2, Dv] (fp32 or float64),
 //   topk [T1, N2, K] int64 block ids (-1 = none), and per query token its sequence's first key row, key count
 //   and its own in-sequence position. A gathered key p = idx * bs + r is visible iff idx != -1, p < S2 and, when
@@ -37,6 +40,7 @@ constexpr int64_t KEY_BLOCK = 64;
 template <typename T> struct Args {
   const T *q, *k, *v;
   const int64_t *topk, *kv_start, *seq_len, *pos;
+  const int64_t *lo = nullptr, *hi = nullptr;  // range mode (topk null): token t sees key rows [lo[t], hi[t])
   int64_t T1, N1, N2, D, Dv, K, bs, G, HB;
   bool causal;
   T floor;  // the lowest exponent computed (sparseops._numerics.exp_floor)
@@ -77,6 +81,11 @@ typename Vec<T>::type softmax_terms(typename Vec<T>::type* s, int64_t n, T floor
 // (token granularity: one row per slot); returns their count.
 template <typename T>
 int64_t visible_rows(const Args<T>& a, int64_t t, int64_t n2, int64_t* rows, int64_t* slots = nullptr) {
+  if (a.topk == nullptr) {
+    const int64_t n = std::max<int64_t>(0, a.hi[t] - a.lo[t]);
+    for (int64_t j = 0; j < n; ++j) rows[j] = (a.lo[t] + j) * a.N2 + n2;
+    return n;
+  }
   const int64_t* ids = a.topk + (t * a.N2 + n2) * a.K;
   int64_t lim = a.seq_len[t];
   if (a.causal) lim = std::min(lim, a.pos[t] + 1);
@@ -464,10 +473,61 @@ void backward(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse,
   }
 }
 
+// Range mode (the NSA module's sliding-window and compressed branches): token t sees the contiguous key rows
+// [lo[t], hi[t]) of every KV head, no other rule; K is the longest range.
+template <typename T>
+Args<T> range_args(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& lo, const Tensor& hi, int64_t K,
+                   double floor) {
+  Args<T> a;
+  a.q = q.data_ptr<T>();
+  a.k = k.data_ptr<T>();
+  a.v = v.data_ptr<T>();
+  a.topk = a.kv_start = a.seq_len = a.pos = nullptr;
+  a.lo = lo.data_ptr<int64_t>();
+  a.hi = hi.data_ptr<int64_t>();
+  a.T1 = q.size(0);
+  a.N1 = q.size(1);
+  a.D = q.size(2);
+  a.N2 = k.size(1);
+  a.Dv = v.size(2);
+  a.K = K;
+  a.bs = 1;
+  a.G = a.N1 / a.N2;
+  a.HB = (a.G + Vec<T>::W - 1) / Vec<T>::W;
+  a.causal = false;
+  a.floor = static_cast<T>(floor);
+  return a;
+}
+
+void forward_ranges(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, int64_t K, double floor, Tensor out,
+                    Tensor m, Tensor l, int64_t tasks) {
+  if (q.f64)
+    forward_impl(range_args<double>(q, k, v, lo, hi, K, floor), out.data_ptr<double>(), m.data_ptr<double>(),
+                 l.data_ptr<double>(), static_cast<double*>(nullptr), tasks);
+  else
+    forward_impl(range_args<float>(q, k, v, lo, hi, K, floor), out.data_ptr<float>(), m.data_ptr<float>(),
+                 l.data_ptr<float>(), static_cast<float*>(nullptr), tasks);
+}
+
+void backward_ranges(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse, Tensor delta, Tensor lo, Tensor hi,
+                     int64_t K, double floor, double scale, Tensor dq, Tensor dk, Tensor dv, int64_t tasks) {
+  const int64_t rows_kv = k.size(0) * k.size(1);
+  if (q.f64)
+    backward_impl(range_args<double>(q, k, v, lo, hi, K, floor), dout.data_ptr<double>(), lse.data_ptr<double>(),
+                  delta.data_ptr<double>(), scale, dq.data_ptr<double>(), dk.data_ptr<double>(),
+                  dv.data_ptr<double>(), rows_kv, tasks);
+  else
+    backward_impl(range_args<float>(q, k, v, lo, hi, K, floor), dout.data_ptr<float>(), lse.data_ptr<float>(),
+                  delta.data_ptr<float>(), static_cast<float>(scale), dq.data_ptr<float>(), dk.data_ptr<float>(),
+                  dv.data_ptr<float>(), rows_kv, tasks);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("forward", &forward, "NSA selected attention forward (CPU, gathered keys per token)");
   mod.def("backward", &backward, "NSA selected attention backward (CPU, gathered keys per token)");
+  mod.def("forward_ranges", &forward_ranges, "attention over a contiguous key range per token (CPU)");
+  mod.def("backward_ranges", &backward_ranges, "its backward (CPU)");
   mod.def("head_mean_probs", &head_mean_probs, "head-averaged softmax over each token's selected keys (CPU)");
 }
