@@ -413,29 +413,38 @@ void head_mean_probs(Tensor q, Tensor k, Tensor ids, Tensor start, double floor,
                           p.data_ptr<float>(), tasks);
 }
 
+// The fields every mode shares: tensors, sizes, K keys (or slots) per item, block size, the rule's flags.
 template <typename T>
-Args<T> make_args(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& topk,
-                  const Tensor& kv_start, const Tensor& seq_len, const Tensor& pos, int64_t bs,
-                  bool causal, double floor) {
+Args<T> base_args(const Tensor& q, const Tensor& k, const Tensor& v, int64_t K, int64_t bs, bool causal,
+                  double floor) {
   Args<T> a;
   a.q = q.data_ptr<T>();
   a.k = k.data_ptr<T>();
   a.v = v.data_ptr<T>();
-  a.topk = topk.data_ptr<int64_t>();
-  a.kv_start = kv_start.data_ptr<int64_t>();
-  a.seq_len = seq_len.data_ptr<int64_t>();
-  a.pos = pos.data_ptr<int64_t>();
+  a.topk = a.kv_start = a.seq_len = a.pos = nullptr;
   a.T1 = q.size(0);
   a.N1 = q.size(1);
   a.D = q.size(2);
   a.N2 = k.size(1);
   a.Dv = v.size(2);
-  a.K = topk.size(2);
+  a.K = K;
   a.bs = bs;
   a.G = a.N1 / a.N2;
   a.HB = (a.G + Vec<T>::W - 1) / Vec<T>::W;
   a.causal = causal;
   a.floor = static_cast<T>(floor);
+  return a;
+}
+
+template <typename T>
+Args<T> make_args(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& topk,
+                  const Tensor& kv_start, const Tensor& seq_len, const Tensor& pos, int64_t bs,
+                  bool causal, double floor) {
+  Args<T> a = base_args<T>(q, k, v, topk.size(2), bs, causal, floor);
+  a.topk = topk.data_ptr<int64_t>();
+  a.kv_start = kv_start.data_ptr<int64_t>();
+  a.seq_len = seq_len.data_ptr<int64_t>();
+  a.pos = pos.data_ptr<int64_t>();
   return a;
 }
 
@@ -478,24 +487,9 @@ void backward(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse,
 template <typename T>
 Args<T> range_args(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& lo, const Tensor& hi, int64_t K,
                    double floor) {
-  Args<T> a;
-  a.q = q.data_ptr<T>();
-  a.k = k.data_ptr<T>();
-  a.v = v.data_ptr<T>();
-  a.topk = a.kv_start = a.seq_len = a.pos = nullptr;
+  Args<T> a = base_args<T>(q, k, v, K, 1, false, floor);
   a.lo = lo.data_ptr<int64_t>();
   a.hi = hi.data_ptr<int64_t>();
-  a.T1 = q.size(0);
-  a.N1 = q.size(1);
-  a.D = q.size(2);
-  a.N2 = k.size(1);
-  a.Dv = v.size(2);
-  a.K = K;
-  a.bs = 1;
-  a.G = a.N1 / a.N2;
-  a.HB = (a.G + Vec<T>::W - 1) / Vec<T>::W;
-  a.causal = false;
-  a.floor = static_cast<T>(floor);
   return a;
 }
 

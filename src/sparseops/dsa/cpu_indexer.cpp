@@ -150,6 +150,15 @@ void backward_impl(const T* q, const T* k, const T* w, const int64_t* ids, const
   });
 }
 
+// Runs fn(t) for every row t < T1: rows in blocks of 16 dealt round-robin to P tasks, one thread each.
+template <typename F> void for_rows(int64_t T1, int64_t P, F fn) {
+  const int64_t blocks = (T1 + 15) / 16;
+  sparseops_simd::run_tasks(P, [&](int64_t tid) {
+    for (int64_t b = tid; b < blocks; b += P)
+      for (int64_t t = b * 16; t < std::min(T1, b * 16 + 16); ++t) fn(t);
+  });
+}
+
 // The indexer loss's rows (docs/dsa.md) over each token's live slots i (ids[t, i] >= 0), scores s and target p:
 //   lse[t] = log sum_i exp(s[t, i]),  kl[t] = sum_{i: p > 0} p[t, i] * (log p[t, i] - s[t, i] + lse[t]),
 //   mass[t] = sum_{i: p > 0} p[t, i]  (the backward's d kl / d s[t, i] = mass * softmax_i - p[t, i])
@@ -158,38 +167,34 @@ template <typename T>
 void kl_rows_impl(const T* s, const T* p, const int64_t* ids, int64_t T1, int64_t K, T floor, T* kl, T* lse,
                   T* mass, int64_t P) {
   const T ninf = -std::numeric_limits<T>::infinity();
-  const int64_t blocks = (T1 + 15) / 16;
-  sparseops_simd::run_tasks(P, [&](int64_t tid) {
-    for (int64_t b = tid; b < blocks; b += P)
-      for (int64_t t = b * 16; t < std::min(T1, b * 16 + 16); ++t) {
-        const T *st = s + t * K, *pt = p + t * K;
-        const int64_t* it = ids + t * K;
-        T mx = ninf;
-        bool any = false;
-        for (int64_t i = 0; i < K; ++i)
-          if (it[i] >= 0) {
-            any = true;
-            mx = (st[i] > mx || st[i] != st[i]) ? st[i] : mx;
-          }
-        if (!any) {
-          kl[t] = lse[t] = mass[t] = T(0);
-          continue;
-        }
-        const T m0 = std::isinf(mx) ? T(0) : mx;
-        T sum = 0;
-        for (int64_t i = 0; i < K; ++i)
-          if (it[i] >= 0) sum += std::exp(std::max(st[i] - m0, floor));
-        const T l = m0 + std::log(sum);
-        T acc = 0, ms = 0;
-        for (int64_t i = 0; i < K; ++i)
-          if (it[i] >= 0 && pt[i] > 0) {
-            acc += pt[i] * (std::log(pt[i]) - st[i] + l);
-            ms += pt[i];
-          }
-        kl[t] = acc;
-        lse[t] = l;
-        mass[t] = ms;
+  for_rows(T1, P, [&](int64_t t) {
+    const T *st = s + t * K, *pt = p + t * K;
+    const int64_t* it = ids + t * K;
+    T mx = ninf;
+    bool any = false;
+    for (int64_t i = 0; i < K; ++i)
+      if (it[i] >= 0) {
+        any = true;
+        mx = (st[i] > mx || st[i] != st[i]) ? st[i] : mx;
       }
+    if (!any) {
+      kl[t] = lse[t] = mass[t] = T(0);
+      return;
+    }
+    const T m0 = std::isinf(mx) ? T(0) : mx;
+    T sum = 0;
+    for (int64_t i = 0; i < K; ++i)
+      if (it[i] >= 0) sum += std::exp(std::max(st[i] - m0, floor));
+    const T l = m0 + std::log(sum);
+    T acc = 0, ms = 0;
+    for (int64_t i = 0; i < K; ++i)
+      if (it[i] >= 0 && pt[i] > 0) {
+        acc += pt[i] * (std::log(pt[i]) - st[i] + l);
+        ms += pt[i];
+      }
+    kl[t] = acc;
+    lse[t] = l;
+    mass[t] = ms;
   });
 }
 
@@ -197,18 +202,14 @@ void kl_rows_impl(const T* s, const T* p, const int64_t* ids, int64_t T1, int64_
 template <typename T>
 void kl_rows_grad_impl(const T* s, const T* p, const int64_t* ids, const T* lse, const T* mass, int64_t T1,
                        int64_t K, T c, T floor, T* ds, int64_t P) {
-  const int64_t blocks = (T1 + 15) / 16;
-  sparseops_simd::run_tasks(P, [&](int64_t tid) {
-    for (int64_t b = tid; b < blocks; b += P)
-      for (int64_t t = b * 16; t < std::min(T1, b * 16 + 16); ++t) {
-        const T *st = s + t * K, *pt = p + t * K;
-        const int64_t* it = ids + t * K;
-        T* dt = ds + t * K;
-        for (int64_t i = 0; i < K; ++i) {
-          const T pi = pt[i] > 0 ? pt[i] : T(0);
-          dt[i] = it[i] >= 0 ? c * (mass[t] * std::exp(std::max(st[i] - lse[t], floor)) - pi) : T(0);
-        }
-      }
+  for_rows(T1, P, [&](int64_t t) {
+    const T *st = s + t * K, *pt = p + t * K;
+    const int64_t* it = ids + t * K;
+    T* dt = ds + t * K;
+    for (int64_t i = 0; i < K; ++i) {
+      const T pi = pt[i] > 0 ? pt[i] : T(0);
+      dt[i] = it[i] >= 0 ? c * (mass[t] * std::exp(std::max(st[i] - lse[t], floor)) - pi) : T(0);
+    }
   });
 }
 
