@@ -55,7 +55,7 @@ def run_backward(q, k, v, out, dout, lse, scale, call):
     P = tasks(T2 * N2, D, Dv, elt)
     dk = torch.zeros(P, T2 * N2, D, dtype=acc)
     dv = torch.zeros(P, T2 * N2, Dv, dtype=acc)
-    qa = torch.mul(q.to(acc), scale).contiguous()
+    qa = flat(q, acc)  # the kernels apply the scale as they load q
     delta = row_dot(dout, out, acc).contiguous()
     call(qa, flat(k, acc), flat(v, acc), flat(dout, acc), lse.to(acc).contiguous(), delta, dq, dk, dv, P)
     dk = dk[0] if P == 1 else dk.sum(dim=0)
@@ -75,9 +75,8 @@ def forward_ranges(q, k, v, lo, hi, scale):
     l = torch.zeros(T1, N1, dtype=acc)
     K = int((hi - lo).max()) if T1 > 0 else 0
     if K > 0 and k.shape[0] > 0:
-        qa = torch.mul(q.to(acc), scale).contiguous()
-        EXTENSION.module().forward_ranges(qa, flat(k, acc), flat(v, acc), lo.contiguous(), hi.contiguous(), K,
-                                 exp_floor(acc), out, m, l, torch.get_num_threads())
+        EXTENSION.module().forward_ranges(flat(q, acc), flat(k, acc), flat(v, acc), lo.contiguous(), hi.contiguous(),
+                                          K, exp_floor(acc), float(scale), out, m, l, torch.get_num_threads())
     lse = torch.where(l > 0, m + torch.log(l), float("-inf"))
     return out.to(q.dtype), lse
 

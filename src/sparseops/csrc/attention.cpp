@@ -5,7 +5,7 @@
 // sees the contiguous key rows [lo[t], hi[t]) of each KV head, no other rule.
 //
 // Arguments arrive validated and contiguous from sparseops/_cpu_attention.py and sparseops/nsa/cpu_gather.py:
-//   q [T1, N1, D] pre-scaled by the softmax scale, k [T2, N2, D], v [T2, N2, Dv] (fp32 or float64),
+//   q [T1, N1, D] (the softmax scale applied as it is loaded), k [T2, N2, D], v [T2, N2, Dv] (fp32 or float64),
 //   topk [T1, N2, K] int64 block ids (-1 = none), and per query token its sequence's first key row, key count
 //   and its own in-sequence position. A gathered key p = idx * bs + r is visible iff idx != -1, p < S2 and, when
 //   causal, p <= pos: the rule of the reference (sparseops/nsa/reference.py).
@@ -44,6 +44,7 @@ template <typename T> struct Args {
   int64_t T1, N1, N2, D, Dv, K, bs, G, HB;
   bool causal;
   T floor;  // the lowest exponent computed (sparseops._numerics.exp_floor)
+  T qscale;  // the softmax scale, applied to q as it is loaded
 };
 
 // exp(x) with x clamped to [floor, 80] (sparseops._numerics.exp_floor: no denormal, no overflow); NaN stays NaN.
@@ -251,17 +252,17 @@ template <typename T> struct Heads {
       Gh(std::min<int64_t>(Vec<T>::W, G - hb * Vec<T>::W)) {}
 };
 
-// xT[d][lane] = src[t, h0 + lane, d] (0 on the inactive lanes); rows [W, D] of the same when N is given.
+// xT[d][lane] = mul * src[t, h0 + lane, d] (0 on the inactive lanes); rows [W, D] of the same when N is given.
 template <typename T>
 void load_heads(const T* src, int64_t t, int64_t N1, int64_t D, const Heads<T>& h, typename Vec<T>::type* xT,
-                T* N) {
+                T* N, T mul) {
   const T* base = src + (t * N1 + h.h0) * D;
   for (int64_t d = 0; d < D; ++d) xT[d] = typename Vec<T>::type{};
   for (int64_t l = 0; l < h.Gh; ++l)
-    for (int64_t d = 0; d < D; ++d) xT[d][l] = base[l * D + d];
+    for (int64_t d = 0; d < D; ++d) xT[d][l] = base[l * D + d] * mul;
   if (N != nullptr) {
     std::fill(N, N + Vec<T>::W * D, T(0));
-    std::copy(base, base + h.Gh * D, N);
+    for (int64_t i = 0; i < h.Gh * D; ++i) N[i] = base[i] * mul;
   }
 }
 
@@ -299,7 +300,7 @@ void forward_impl(const Args<T>& a, T* out, T* m, T* l, T* tgt, int64_t P) {
     if (n == 0) {  // no visible key: out, m, l stay 0
       return;
     }
-    load_heads(a.q, t, a.N1, a.D, h, sc.xT.data(), static_cast<T*>(nullptr));
+    load_heads(a.q, t, a.N1, a.D, h, sc.xT.data(), static_cast<T*>(nullptr), a.qscale);
     V* s = sc.s.data();
     row_scores<T>(sc.xT.data(), a.D, a.k, sc.rows.data(), n, a.D, s);
     V mx;
@@ -331,8 +332,8 @@ void backward_impl(const Args<T>& a, const T* dout, const T* lse, const T* delta
     const int64_t n = visible_rows(a, t, n2, sc.rows.data());
     if (n == 0) return;  // dq rows stay 0
     const int64_t* rows = sc.rows.data();
-    load_heads(a.q, t, a.N1, a.D, h, sc.xT.data(), sc.qN.data());
-    load_heads(dout, t, a.N1, a.Dv, h, sc.yT.data(), sc.yN.data());
+    load_heads(a.q, t, a.N1, a.D, h, sc.xT.data(), sc.qN.data(), a.qscale);
+    load_heads(dout, t, a.N1, a.Dv, h, sc.yT.data(), sc.yN.data(), T(1));
     V ls{}, dl{};
     for (int64_t lane = 0; lane < h.Gh; ++lane) {
       ls[lane] = lse[t * a.N1 + h.h0 + lane];
@@ -363,7 +364,7 @@ void backward_impl(const Args<T>& a, const T* dout, const T* lse, const T* delta
 // per token (all its KV heads), so each row of p is written by one task.
 template <typename T>
 void head_mean_impl(const T* q, const T* k, const int64_t* ids, const int64_t* start, int64_t T1, int64_t N1,
-                    int64_t N2, int64_t D, int64_t K, T floor, T* p, int64_t P) {
+                    int64_t N2, int64_t D, int64_t K, T floor, T qscale, T* p, int64_t P) {
   typedef typename Vec<T>::type V;
   constexpr int W = Vec<T>::W;
   const int64_t G = N1 / N2, HB = (G + W - 1) / W, blocks = (T1 + 3) / 4;
@@ -383,7 +384,7 @@ void head_mean_impl(const T* q, const T* k, const int64_t* ids, const int64_t* s
           for (int64_t j = 0; j < n; ++j) rows[j] = key[j] * N2 + n2;
           for (int64_t hb = 0; hb < HB; ++hb) {
             const Heads<T> h(G, n2, hb);
-            load_heads(q, t, N1, D, h, xT.data(), static_cast<T*>(nullptr));
+            load_heads(q, t, N1, D, h, xT.data(), static_cast<T*>(nullptr), qscale);
             row_scores<T>(xT.data(), D, k, rows.data(), n, D, s.data());
             V mx;
             const V sum = softmax_terms<T>(s.data(), n, floor, mx);
@@ -401,22 +402,22 @@ void head_mean_impl(const T* q, const T* k, const int64_t* ids, const int64_t* s
   });
 }
 
-void head_mean_probs(Tensor q, Tensor k, Tensor ids, Tensor start, double floor,
+void head_mean_probs(Tensor q, Tensor k, Tensor ids, Tensor start, double floor, double scale,
                      Tensor p, int64_t tasks) {
   const int64_t T1 = q.size(0), N1 = q.size(1), D = q.size(2), N2 = k.size(1), K = ids.size(1);
   if (q.f64)
     head_mean_impl<double>(q.data_ptr<double>(), k.data_ptr<double>(), ids.data_ptr<int64_t>(),
-                           start.data_ptr<int64_t>(), T1, N1, N2, D, K, floor, p.data_ptr<double>(), tasks);
+                           start.data_ptr<int64_t>(), T1, N1, N2, D, K, floor, scale, p.data_ptr<double>(), tasks);
   else
     head_mean_impl<float>(q.data_ptr<float>(), k.data_ptr<float>(), ids.data_ptr<int64_t>(),
                           start.data_ptr<int64_t>(), T1, N1, N2, D, K, static_cast<float>(floor),
-                          p.data_ptr<float>(), tasks);
+                          static_cast<float>(scale), p.data_ptr<float>(), tasks);
 }
 
 // The fields every mode shares: tensors, sizes, K keys (or slots) per item, block size, the rule's flags.
 template <typename T>
 Args<T> base_args(const Tensor& q, const Tensor& k, const Tensor& v, int64_t K, int64_t bs, bool causal,
-                  double floor) {
+                  double floor, double scale) {
   Args<T> a;
   a.q = q.data_ptr<T>();
   a.k = k.data_ptr<T>();
@@ -433,14 +434,15 @@ Args<T> base_args(const Tensor& q, const Tensor& k, const Tensor& v, int64_t K, 
   a.HB = (a.G + Vec<T>::W - 1) / Vec<T>::W;
   a.causal = causal;
   a.floor = static_cast<T>(floor);
+  a.qscale = static_cast<T>(scale);
   return a;
 }
 
 template <typename T>
 Args<T> make_args(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& topk,
                   const Tensor& kv_start, const Tensor& seq_len, const Tensor& pos, int64_t bs,
-                  bool causal, double floor) {
-  Args<T> a = base_args<T>(q, k, v, topk.size(2), bs, causal, floor);
+                  bool causal, double floor, double scale) {
+  Args<T> a = base_args<T>(q, k, v, topk.size(2), bs, causal, floor, scale);
   a.topk = topk.data_ptr<int64_t>();
   a.kv_start = kv_start.data_ptr<int64_t>();
   a.seq_len = seq_len.data_ptr<int64_t>();
@@ -450,16 +452,16 @@ Args<T> make_args(const Tensor& q, const Tensor& k, const Tensor& v, const Tenso
 
 // tgt: a [T1, N2 * HB, K] zero tensor for the DSA loss's target (token granularity), or None
 void forward(Tensor q, Tensor k, Tensor v, Tensor topk, Tensor kv_start,
-             Tensor seq_len, Tensor pos, int64_t bs, bool causal, double floor, Tensor out,
+             Tensor seq_len, Tensor pos, int64_t bs, bool causal, double floor, double scale, Tensor out,
              Tensor m, Tensor l, pybind11::object tgt, int64_t tasks) {
   const bool want = !tgt.is_none();
   const Tensor tg = want ? Tensor(tgt) : Tensor();
   if (q.f64) {
-    auto a = make_args<double>(q, k, v, topk, kv_start, seq_len, pos, bs, causal, floor);
+    auto a = make_args<double>(q, k, v, topk, kv_start, seq_len, pos, bs, causal, floor, scale);
     forward_impl(a, out.data_ptr<double>(), m.data_ptr<double>(), l.data_ptr<double>(),
                  want ? tg.data_ptr<double>() : nullptr, tasks);
   } else {
-    auto a = make_args<float>(q, k, v, topk, kv_start, seq_len, pos, bs, causal, floor);
+    auto a = make_args<float>(q, k, v, topk, kv_start, seq_len, pos, bs, causal, floor, scale);
     forward_impl(a, out.data_ptr<float>(), m.data_ptr<float>(), l.data_ptr<float>(),
                  want ? tg.data_ptr<float>() : nullptr, tasks);
   }
@@ -471,11 +473,11 @@ void backward(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse,
               Tensor dk, Tensor dv, int64_t tasks) {
   const int64_t rows_kv = k.size(0) * k.size(1);
   if (q.f64) {
-    auto a = make_args<double>(q, k, v, topk, kv_start, seq_len, pos, bs, causal, floor);
+    auto a = make_args<double>(q, k, v, topk, kv_start, seq_len, pos, bs, causal, floor, scale);
     backward_impl(a, dout.data_ptr<double>(), lse.data_ptr<double>(), delta.data_ptr<double>(), scale,
                   dq.data_ptr<double>(), dk.data_ptr<double>(), dv.data_ptr<double>(), rows_kv, tasks);
   } else {
-    auto a = make_args<float>(q, k, v, topk, kv_start, seq_len, pos, bs, causal, floor);
+    auto a = make_args<float>(q, k, v, topk, kv_start, seq_len, pos, bs, causal, floor, scale);
     backward_impl(a, dout.data_ptr<float>(), lse.data_ptr<float>(), delta.data_ptr<float>(),
                   static_cast<float>(scale), dq.data_ptr<float>(), dk.data_ptr<float>(), dv.data_ptr<float>(),
                   rows_kv, tasks);
@@ -486,20 +488,20 @@ void backward(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse,
 // [lo[t], hi[t]) of every KV head, no other rule; K is the longest range.
 template <typename T>
 Args<T> range_args(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& lo, const Tensor& hi, int64_t K,
-                   double floor) {
-  Args<T> a = base_args<T>(q, k, v, K, 1, false, floor);
+                   double floor, double scale) {
+  Args<T> a = base_args<T>(q, k, v, K, 1, false, floor, scale);
   a.lo = lo.data_ptr<int64_t>();
   a.hi = hi.data_ptr<int64_t>();
   return a;
 }
 
-void forward_ranges(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, int64_t K, double floor, Tensor out,
-                    Tensor m, Tensor l, int64_t tasks) {
+void forward_ranges(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, int64_t K, double floor, double scale,
+                    Tensor out, Tensor m, Tensor l, int64_t tasks) {
   if (q.f64)
-    forward_impl(range_args<double>(q, k, v, lo, hi, K, floor), out.data_ptr<double>(), m.data_ptr<double>(),
+    forward_impl(range_args<double>(q, k, v, lo, hi, K, floor, scale), out.data_ptr<double>(), m.data_ptr<double>(),
                  l.data_ptr<double>(), static_cast<double*>(nullptr), tasks);
   else
-    forward_impl(range_args<float>(q, k, v, lo, hi, K, floor), out.data_ptr<float>(), m.data_ptr<float>(),
+    forward_impl(range_args<float>(q, k, v, lo, hi, K, floor, scale), out.data_ptr<float>(), m.data_ptr<float>(),
                  l.data_ptr<float>(), static_cast<float*>(nullptr), tasks);
 }
 
@@ -507,11 +509,11 @@ void backward_ranges(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse, Tens
                      int64_t K, double floor, double scale, Tensor dq, Tensor dk, Tensor dv, int64_t tasks) {
   const int64_t rows_kv = k.size(0) * k.size(1);
   if (q.f64)
-    backward_impl(range_args<double>(q, k, v, lo, hi, K, floor), dout.data_ptr<double>(), lse.data_ptr<double>(),
+    backward_impl(range_args<double>(q, k, v, lo, hi, K, floor, scale), dout.data_ptr<double>(), lse.data_ptr<double>(),
                   delta.data_ptr<double>(), scale, dq.data_ptr<double>(), dk.data_ptr<double>(),
                   dv.data_ptr<double>(), rows_kv, tasks);
   else
-    backward_impl(range_args<float>(q, k, v, lo, hi, K, floor), dout.data_ptr<float>(), lse.data_ptr<float>(),
+    backward_impl(range_args<float>(q, k, v, lo, hi, K, floor, scale), dout.data_ptr<float>(), lse.data_ptr<float>(),
                   delta.data_ptr<float>(), static_cast<float>(scale), dq.data_ptr<float>(), dk.data_ptr<float>(),
                   dv.data_ptr<float>(), rows_kv, tasks);
 }

@@ -58,9 +58,8 @@ def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal, target=False):
     tgt = torch.zeros(T1, parts, K, dtype=acc) if target else None
     if T1 > 0 and k.shape[0] > 0:
         starts, lens, pos = token_key_rows(cu_q, cu_kv)
-        qa = torch.mul(q.to(acc), scale).contiguous()
-        _module().forward(qa, _flat(k, acc), _flat(v, acc), topk.to(torch.int64).contiguous(), starts, lens, pos,
-                          bs, causal, exp_floor(acc), out, m, l, tgt, torch.get_num_threads())
+        _module().forward(_flat(q, acc), _flat(k, acc), _flat(v, acc), topk.to(torch.int64).contiguous(), starts,
+                          lens, pos, bs, causal, exp_floor(acc), float(scale), out, m, l, tgt, torch.get_num_threads())
     if not target:
         return out.to(q.dtype), m, l
     return out.to(q.dtype), m, l, tgt[:, 0] if parts == 1 else tgt.sum(dim=1)
@@ -90,7 +89,6 @@ def head_mean_probs(q, k, indices, scale, cu):
     p = torch.zeros(T, indices.shape[1], dtype=acc)
     if T > 0:
         start, _, _ = token_key_rows(cu, cu)
-        qa = torch.mul(q.to(acc), scale).contiguous()
-        _module().head_mean_probs(qa, _flat(k, acc), indices.to(torch.int64).contiguous(), start, exp_floor(acc), p,
-                                  torch.get_num_threads())
+        _module().head_mean_probs(_flat(q, acc), _flat(k, acc), indices.to(torch.int64).contiguous(), start,
+                                  exp_floor(acc), float(scale), p, torch.get_num_threads())
     return p
