@@ -27,10 +27,14 @@ def available(q: torch.Tensor) -> bool:
     return EXTENSION.available(q)
 
 
+def lanes(dtype: torch.dtype) -> int:
+    """Query heads per vector register of the kernels: 16 in fp32 (and fp16 / bf16 inputs), 8 in float64."""
+    return 8 if dtype == torch.float64 else 16
+
+
 def fills_lanes(q: torch.Tensor, k: torch.Tensor) -> bool:
     """At least a vector's lanes of query heads per KV head (16 in fp32, 8 in float64)."""
-    lanes = 8 if q.dtype == torch.float64 else 16
-    return q.shape[1] // max(1, k.shape[1]) >= lanes
+    return q.shape[1] // max(1, k.shape[1]) >= lanes(q.dtype)
 
 
 def flat(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
@@ -89,6 +93,6 @@ def backward_ranges(q, k, v, out, lse, dout, lo, hi, scale):
 
     def call(qa, kf, vf, df, ls_, delta, dq, dk, dv, P):
         EXTENSION.module().backward_ranges(qa, kf, vf, df, ls_, delta, lo.contiguous(), hi.contiguous(), K,
-                                  exp_floor(acc_dtype(q)), float(scale), dq, dk, dv, P)
+                                           exp_floor(acc_dtype(q)), float(scale), dq, dk, dv, P)
 
     return run_backward(q, k, v, out, dout, ls, scale, call)

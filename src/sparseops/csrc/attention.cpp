@@ -404,14 +404,11 @@ void head_mean_impl(const T* q, const T* k, const int64_t* ids, const int64_t* s
 
 void head_mean_probs(Tensor q, Tensor k, Tensor ids, Tensor start, double floor, double scale,
                      Tensor p, int64_t tasks) {
-  const int64_t T1 = q.size(0), N1 = q.size(1), D = q.size(2), N2 = k.size(1), K = ids.size(1);
-  if (q.f64)
-    head_mean_impl<double>(q.data_ptr<double>(), k.data_ptr<double>(), ids.data_ptr<int64_t>(),
-                           start.data_ptr<int64_t>(), T1, N1, N2, D, K, floor, scale, p.data_ptr<double>(), tasks);
-  else
-    head_mean_impl<float>(q.data_ptr<float>(), k.data_ptr<float>(), ids.data_ptr<int64_t>(),
-                          start.data_ptr<int64_t>(), T1, N1, N2, D, K, static_cast<float>(floor),
-                          static_cast<float>(scale), p.data_ptr<float>(), tasks);
+  sparseops_simd::by_dtype(q, [&](auto z) {
+    using T = decltype(z);
+    head_mean_impl<T>(q.data_ptr<T>(), k.data_ptr<T>(), ids.data_ptr<int64_t>(), start.data_ptr<int64_t>(), q.size(0),
+                      q.size(1), k.size(1), q.size(2), ids.size(1), T(floor), T(scale), p.data_ptr<T>(), tasks);
+  });
 }
 
 // The fields every mode shares: tensors, sizes, K keys (or slots) per item, block size, the rule's flags.
@@ -456,32 +453,23 @@ void forward(Tensor q, Tensor k, Tensor v, Tensor topk, Tensor kv_start,
              Tensor m, Tensor l, pybind11::object tgt, int64_t tasks) {
   const bool want = !tgt.is_none();
   const Tensor tg = want ? Tensor(tgt) : Tensor();
-  if (q.f64) {
-    auto a = make_args<double>(q, k, v, topk, kv_start, seq_len, pos, bs, causal, floor, scale);
-    forward_impl(a, out.data_ptr<double>(), m.data_ptr<double>(), l.data_ptr<double>(),
-                 want ? tg.data_ptr<double>() : nullptr, tasks);
-  } else {
-    auto a = make_args<float>(q, k, v, topk, kv_start, seq_len, pos, bs, causal, floor, scale);
-    forward_impl(a, out.data_ptr<float>(), m.data_ptr<float>(), l.data_ptr<float>(),
-                 want ? tg.data_ptr<float>() : nullptr, tasks);
-  }
+  sparseops_simd::by_dtype(q, [&](auto z) {
+    using T = decltype(z);
+    forward_impl(make_args<T>(q, k, v, topk, kv_start, seq_len, pos, bs, causal, floor, scale), out.data_ptr<T>(),
+                 m.data_ptr<T>(), l.data_ptr<T>(), want ? tg.data_ptr<T>() : nullptr, tasks);
+  });
 }
 
 void backward(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse,
               Tensor delta, Tensor topk, Tensor kv_start, Tensor seq_len,
               Tensor pos, int64_t bs, bool causal, double floor, double scale, Tensor dq,
               Tensor dk, Tensor dv, int64_t tasks) {
-  const int64_t rows_kv = k.size(0) * k.size(1);
-  if (q.f64) {
-    auto a = make_args<double>(q, k, v, topk, kv_start, seq_len, pos, bs, causal, floor, scale);
-    backward_impl(a, dout.data_ptr<double>(), lse.data_ptr<double>(), delta.data_ptr<double>(), scale,
-                  dq.data_ptr<double>(), dk.data_ptr<double>(), dv.data_ptr<double>(), rows_kv, tasks);
-  } else {
-    auto a = make_args<float>(q, k, v, topk, kv_start, seq_len, pos, bs, causal, floor, scale);
-    backward_impl(a, dout.data_ptr<float>(), lse.data_ptr<float>(), delta.data_ptr<float>(),
-                  static_cast<float>(scale), dq.data_ptr<float>(), dk.data_ptr<float>(), dv.data_ptr<float>(),
-                  rows_kv, tasks);
-  }
+  sparseops_simd::by_dtype(q, [&](auto z) {
+    using T = decltype(z);
+    backward_impl(make_args<T>(q, k, v, topk, kv_start, seq_len, pos, bs, causal, floor, scale), dout.data_ptr<T>(),
+                  lse.data_ptr<T>(), delta.data_ptr<T>(), T(scale), dq.data_ptr<T>(), dk.data_ptr<T>(),
+                  dv.data_ptr<T>(), k.size(0) * k.size(1), tasks);
+  });
 }
 
 // Range mode (the NSA module's sliding-window and compressed branches): token t sees the contiguous key rows
@@ -497,25 +485,21 @@ Args<T> range_args(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
 
 void forward_ranges(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, int64_t K, double floor, double scale,
                     Tensor out, Tensor m, Tensor l, int64_t tasks) {
-  if (q.f64)
-    forward_impl(range_args<double>(q, k, v, lo, hi, K, floor, scale), out.data_ptr<double>(), m.data_ptr<double>(),
-                 l.data_ptr<double>(), static_cast<double*>(nullptr), tasks);
-  else
-    forward_impl(range_args<float>(q, k, v, lo, hi, K, floor, scale), out.data_ptr<float>(), m.data_ptr<float>(),
-                 l.data_ptr<float>(), static_cast<float*>(nullptr), tasks);
+  sparseops_simd::by_dtype(q, [&](auto z) {
+    using T = decltype(z);
+    forward_impl(range_args<T>(q, k, v, lo, hi, K, floor, scale), out.data_ptr<T>(), m.data_ptr<T>(),
+                 l.data_ptr<T>(), static_cast<T*>(nullptr), tasks);
+  });
 }
 
 void backward_ranges(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse, Tensor delta, Tensor lo, Tensor hi,
                      int64_t K, double floor, double scale, Tensor dq, Tensor dk, Tensor dv, int64_t tasks) {
-  const int64_t rows_kv = k.size(0) * k.size(1);
-  if (q.f64)
-    backward_impl(range_args<double>(q, k, v, lo, hi, K, floor, scale), dout.data_ptr<double>(), lse.data_ptr<double>(),
-                  delta.data_ptr<double>(), scale, dq.data_ptr<double>(), dk.data_ptr<double>(),
-                  dv.data_ptr<double>(), rows_kv, tasks);
-  else
-    backward_impl(range_args<float>(q, k, v, lo, hi, K, floor, scale), dout.data_ptr<float>(), lse.data_ptr<float>(),
-                  delta.data_ptr<float>(), static_cast<float>(scale), dq.data_ptr<float>(), dk.data_ptr<float>(),
-                  dv.data_ptr<float>(), rows_kv, tasks);
+  sparseops_simd::by_dtype(q, [&](auto z) {
+    using T = decltype(z);
+    backward_impl(range_args<T>(q, k, v, lo, hi, K, floor, scale), dout.data_ptr<T>(), lse.data_ptr<T>(),
+                  delta.data_ptr<T>(), T(scale), dq.data_ptr<T>(), dk.data_ptr<T>(), dv.data_ptr<T>(),
+                  k.size(0) * k.size(1), tasks);
+  });
 }
 
 }  // namespace

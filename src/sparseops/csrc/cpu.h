@@ -106,6 +106,15 @@ struct Tensor {
   template <typename T> T* data_ptr() const { return static_cast<T*>(ptr); }
 };
 
+// fn(T()) with T the tensor's arithmetic type (double for float64, else float): an entry point's one call for both
+// dtypes, `using T = decltype(z);` inside a generic lambda.
+template <typename F> void by_dtype(const Tensor& x, F fn) {
+  if (x.f64)
+    fn(double());
+  else
+    fn(float());
+}
+
 // Runs task(tid) for tid in [0, P), one thread each (task 0 on the caller's). Threads of their own: ATen's
 // parallel_for is OpenMP code inlined into the caller, and these builds are not compiled with OpenMP.
 template <typename F> void run_tasks(int64_t P, F task) {

@@ -75,5 +75,6 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
         return out
     # the keys the attention sees: a slot after its token (causal) holds no probability
     _, pos = token_seq_positions(cu, device=indices.device)
-    seen = torch.where(indices.to(torch.int64) > pos[:, None], -1, indices.to(torch.int64))
+    idx = indices.to(torch.int64)
+    seen = torch.where(idx > pos[:, None], -1, idx)
     return out, _target(q.detach(), k.detach(), seen, scale, cu)

@@ -25,26 +25,6 @@ using sparseops_simd::load;
 using sparseops_simd::store;
 using sparseops_simd::Vec;
 
-// sum_d a[d] * b[d]
-template <typename T> inline T dot(const T* a, const T* b, int64_t D) {
-  typedef typename Vec<T>::type V;
-  constexpr int W = Vec<T>::W;
-  V acc{};
-  int64_t d = 0;
-  for (; d + W <= D; d += W) acc += load<T>(a + d) * load<T>(b + d);
-  T s = sparseops_simd::hsum(acc);
-  for (; d < D; ++d) s += a[d] * b[d];
-  return s;
-}
-
-// y[d] += c * x[d]
-template <typename T> inline void axpy(T c, const T* x, T* y, int64_t D) {
-  constexpr int W = Vec<T>::W;
-  int64_t d = 0;
-  for (; d + W <= D; d += W) store<T>(y + d, load<T>(y + d) + c * load<T>(x + d));
-  for (; d < D; ++d) y[d] += c * x[d];
-}
-
 // keys per block of backward_token's three passes
 constexpr int64_t KEY_BLOCK = 32;
 
@@ -376,54 +356,41 @@ void select_impl(const T* q, const T* kT, int64_t ld, const T* w, const int64_t*
   });
 }
 
-void topk_select(Tensor q, Tensor kT, Tensor w, Tensor start, Tensor nvis,
-            Tensor out_idx, Tensor out_sc, int64_t tasks) {
-  const int64_t T1 = q.size(0), Hi = q.size(1), Di = q.size(2), topk = out_idx.size(1), ld = kT.size(1);
-  if (q.f64)
-    select_impl<double>(q.data_ptr<double>(), kT.data_ptr<double>(), ld, w.data_ptr<double>(),
-                        start.data_ptr<int64_t>(), nvis.data_ptr<int64_t>(), T1, Hi, Di, topk,
-                        out_idx.data_ptr<int32_t>(), out_sc.data_ptr<double>(), tasks);
-  else
-    select_impl<float>(q.data_ptr<float>(), kT.data_ptr<float>(), ld, w.data_ptr<float>(), start.data_ptr<int64_t>(),
-                       nvis.data_ptr<int64_t>(), T1, Hi, Di, topk, out_idx.data_ptr<int32_t>(),
-                       out_sc.data_ptr<float>(), tasks);
+void topk_select(Tensor q, Tensor kT, Tensor w, Tensor start, Tensor nvis, Tensor out_idx, Tensor out_sc,
+                 int64_t tasks) {
+  sparseops_simd::by_dtype(q, [&](auto z) {
+    using T = decltype(z);
+    select_impl<T>(q.data_ptr<T>(), kT.data_ptr<T>(), kT.size(1), w.data_ptr<T>(), start.data_ptr<int64_t>(),
+                   nvis.data_ptr<int64_t>(), q.size(0), q.size(1), q.size(2), out_idx.size(1),
+                   out_idx.data_ptr<int32_t>(), out_sc.data_ptr<T>(), tasks);
+  });
 }
 
-void backward(Tensor q, Tensor k, Tensor w, Tensor ids, Tensor start,
-              Tensor g, Tensor dq, Tensor dk, Tensor dw, int64_t tasks) {
-  const int64_t T1 = q.size(0), Hi = q.size(1), Di = q.size(2), K = ids.size(1), rows_k = k.size(0);
-  if (q.f64)
-    backward_impl<double>(q.data_ptr<double>(), k.data_ptr<double>(), w.data_ptr<double>(), ids.data_ptr<int64_t>(),
-                          start.data_ptr<int64_t>(), g.data_ptr<double>(), T1, Hi, Di, K, rows_k,
-                          dq.data_ptr<double>(), dk.data_ptr<double>(), dw.data_ptr<double>(), tasks);
-  else
-    backward_impl<float>(q.data_ptr<float>(), k.data_ptr<float>(), w.data_ptr<float>(), ids.data_ptr<int64_t>(),
-                         start.data_ptr<int64_t>(), g.data_ptr<float>(), T1, Hi, Di, K, rows_k,
-                         dq.data_ptr<float>(), dk.data_ptr<float>(), dw.data_ptr<float>(), tasks);
+void backward(Tensor q, Tensor k, Tensor w, Tensor ids, Tensor start, Tensor g, Tensor dq, Tensor dk, Tensor dw,
+              int64_t tasks) {
+  sparseops_simd::by_dtype(q, [&](auto z) {
+    using T = decltype(z);
+    backward_impl<T>(q.data_ptr<T>(), k.data_ptr<T>(), w.data_ptr<T>(), ids.data_ptr<int64_t>(),
+                     start.data_ptr<int64_t>(), g.data_ptr<T>(), q.size(0), q.size(1), q.size(2), ids.size(1),
+                     k.size(0), dq.data_ptr<T>(), dk.data_ptr<T>(), dw.data_ptr<T>(), tasks);
+  });
 }
 
 void kl_rows(Tensor s, Tensor p, Tensor ids, double floor, Tensor kl, Tensor lse, Tensor mass, int64_t tasks) {
-  const int64_t T1 = s.size(0), K = s.size(1);
-  if (s.f64)
-    kl_rows_impl<double>(s.data_ptr<double>(), p.data_ptr<double>(), ids.data_ptr<int64_t>(), T1, K, floor,
-                         kl.data_ptr<double>(), lse.data_ptr<double>(), mass.data_ptr<double>(), tasks);
-  else
-    kl_rows_impl<float>(s.data_ptr<float>(), p.data_ptr<float>(), ids.data_ptr<int64_t>(), T1, K,
-                        static_cast<float>(floor), kl.data_ptr<float>(), lse.data_ptr<float>(),
-                        mass.data_ptr<float>(), tasks);
+  sparseops_simd::by_dtype(s, [&](auto z) {
+    using T = decltype(z);
+    kl_rows_impl<T>(s.data_ptr<T>(), p.data_ptr<T>(), ids.data_ptr<int64_t>(), s.size(0), s.size(1), T(floor),
+                    kl.data_ptr<T>(), lse.data_ptr<T>(), mass.data_ptr<T>(), tasks);
+  });
 }
 
 void kl_rows_grad(Tensor s, Tensor p, Tensor ids, Tensor lse, Tensor mass, double c, double floor, Tensor ds,
                   int64_t tasks) {
-  const int64_t T1 = s.size(0), K = s.size(1);
-  if (s.f64)
-    kl_rows_grad_impl<double>(s.data_ptr<double>(), p.data_ptr<double>(), ids.data_ptr<int64_t>(),
-                              lse.data_ptr<double>(), mass.data_ptr<double>(), T1, K, c, floor,
-                              ds.data_ptr<double>(), tasks);
-  else
-    kl_rows_grad_impl<float>(s.data_ptr<float>(), p.data_ptr<float>(), ids.data_ptr<int64_t>(),
-                             lse.data_ptr<float>(), mass.data_ptr<float>(), T1, K, static_cast<float>(c),
-                             static_cast<float>(floor), ds.data_ptr<float>(), tasks);
+  sparseops_simd::by_dtype(s, [&](auto z) {
+    using T = decltype(z);
+    kl_rows_grad_impl<T>(s.data_ptr<T>(), p.data_ptr<T>(), ids.data_ptr<int64_t>(), lse.data_ptr<T>(),
+                         mass.data_ptr<T>(), s.size(0), s.size(1), T(c), T(floor), ds.data_ptr<T>(), tasks);
+  });
 }
 
 }  // namespace

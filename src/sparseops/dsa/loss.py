@@ -150,6 +150,6 @@ def indexer_kl_loss(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, sco
     if T == 0:
         return scores.new_zeros((), dtype=acc) + scores.sum() * 0
     p = (_target(q, k, indices, scale, cu) if target is None else target.detach()).to(acc)
-    if scores.device.type == "cpu" and EXTENSION.available(scores):
+    if EXTENSION.available(scores):
         return _KLRows.apply(scores.to(acc).contiguous(), p.contiguous(), indices.to(torch.int64).contiguous())
     return _kl_torch(scores, p, indices, acc)

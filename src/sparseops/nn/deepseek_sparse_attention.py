@@ -25,9 +25,10 @@ class DeepSeekSparseAttention(nn.Module):
 
     The indexer's selection is not differentiable, so the output trains everything but the indexer; the indexer
     trains on ``info["indexer_loss"]`` (:func:`sparseops.dsa.indexer_kl_loss`, the attention's head-averaged
-    distribution over the selected keys as its target, from the attention's own pass on the CPU). With ``detach_indexer_input`` that loss reaches only the
-    indexer's parameters (the paper's sparse stage). A ``topk`` at least the longest sequence selects every
-    visible key: dense attention, the paper's warm-up selection.
+    distribution over the selected keys as its target, from the attention's own pass on the CPU). With
+    ``detach_indexer_input`` that loss reaches only the indexer's parameters (the paper's sparse stage). A
+    ``topk`` at least the longest sequence selects every visible key: dense attention, the paper's warm-up
+    selection.
 
     Args:
         hidden_size: model width. num_heads, num_kv_heads: ``N1``, ``N2`` with ``G = N1 / N2 <= 128``.

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .._cpu_attention import EXTENSION, available, fills_lanes  # noqa: F401  (this path's names for them)
+from .._cpu_attention import EXTENSION, available, fills_lanes, lanes  # noqa: F401  (this path's names for them)
 from .._cpu_attention import flat as _flat
 from .._cpu_attention import run_backward as _backward
 from .._numerics import acc_dtype, exp_floor
@@ -53,8 +53,7 @@ def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal, target=False):
     out = torch.zeros(T1, N1, Dv, dtype=acc)
     m = torch.zeros(T1, N1, dtype=acc)
     l = torch.zeros(T1, N1, dtype=acc)
-    lanes = 8 if acc == torch.float64 else 16
-    parts = N2 * -(-(N1 // N2) // lanes)  # work items per token: KV heads x vectors of query heads
+    parts = N2 * -(-(N1 // N2) // lanes(acc))  # work items per token: KV heads x vectors of query heads
     tgt = torch.zeros(T1, parts, K, dtype=acc) if target else None
     if T1 > 0 and k.shape[0] > 0:
         starts, lens, pos = token_key_rows(cu_q, cu_kv)
