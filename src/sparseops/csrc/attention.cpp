@@ -221,7 +221,7 @@ void row_scatter(const typename Vec<T>::type* x, const T* A, int64_t Gh, int64_t
         for (int i = 0; i < B; ++i) r[i] = load<T>(ah + i * W);
 #pragma GCC unroll 4
         for (int c = 0; c < C; ++c) {
-          const V b = V{} + xs[c][h];
+          const T b = xs[c][h];  // a scalar: broadcast from memory (V{} + b adds in a register first)
 #pragma GCC unroll 4
           for (int i = 0; i < B; ++i) a[c][i] += b * r[i];
         }
@@ -305,7 +305,9 @@ void forward_impl(const Args<T>& a, T* out, T* m, T* l, T* tgt, int64_t P) {
     row_scores<T>(sc.xT.data(), a.D, a.k, sc.rows.data(), n, a.D, s);
     V mx;
     const V sum = softmax_terms<T>(s, n, a.floor, mx);
-    row_combine<T>(s, a.v, sc.rows.data(), n, a.Dv, a.Dv, sc.oT.data(), false);
+    // by blocks of keys, so that a block's value rows and probabilities stay in the cache for every slice of d
+    for (int64_t j0 = 0; j0 < n; j0 += KEY_BLOCK)
+      row_combine<T>(s + j0, a.v, sc.rows.data() + j0, std::min(KEY_BLOCK, n - j0), a.Dv, a.Dv, sc.oT.data(), j0 > 0);
     V inv;
     for (int i = 0; i < W; ++i) inv[i] = sum[i] > 0 ? T(1) / sum[i] : T(0);
     if (tgt != nullptr) {  // the item's heads' probabilities at each slot, summed: its share of the target
