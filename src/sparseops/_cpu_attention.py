@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ._cpp import TASK_BYTES, Extension
-from ._numerics import acc_dtype, exp_floor, row_dot
+from ._numerics import acc_dtype, exp_floor
 
 EXTENSION = Extension("nsa_cpu", Path(__file__).parent / "csrc" / "attention.cpp", "NSA selected attention")
 
@@ -47,8 +47,9 @@ def tasks(rows_kv: int, D: int, Dv: int, elt: int) -> int:
 
 
 def run_backward(q, k, v, out, dout, lse, scale, call):
-    """The shared backward: buffers, ``delta``, one ``call(qa, k, v, dout, lse, delta, dq, dk, dv, P)`` of the
-    kernel and the per-task sums, in task order."""
+    """The shared backward: buffers, one ``call(qa, k, v, dout, lse, out, dq, dk, dv, P)`` of the kernel (which
+    computes each row's ``delta = rowsum(dout * out)`` from the rows it loads) and the per-task sums, in task
+    order."""
     acc = acc_dtype(q)
     T1, N1, D = q.shape
     T2, N2, Dv = v.shape
@@ -60,8 +61,7 @@ def run_backward(q, k, v, out, dout, lse, scale, call):
     dk = torch.zeros(P, T2 * N2, D, dtype=acc)
     dv = torch.zeros(P, T2 * N2, Dv, dtype=acc)
     qa = flat(q, acc)  # the kernels apply the scale as they load q
-    delta = row_dot(dout, out, acc).contiguous()
-    call(qa, flat(k, acc), flat(v, acc), flat(dout, acc), lse.to(acc).contiguous(), delta, dq, dk, dv, P)
+    call(qa, flat(k, acc), flat(v, acc), flat(dout, acc), lse.to(acc).contiguous(), flat(out, acc), dq, dk, dv, P)
     dk = dk[0] if P == 1 else dk.sum(dim=0)
     dv = dv[0] if P == 1 else dv.sum(dim=0)
     return dq.to(q.dtype), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype)
@@ -91,8 +91,8 @@ def backward_ranges(q, k, v, out, lse, dout, lo, hi, scale):
     K = int((hi - lo).max()) if q.shape[0] > 0 else 0
     ls = torch.where(torch.isinf(lse), 0.0, lse)
 
-    def call(qa, kf, vf, df, ls_, delta, dq, dk, dv, P):
-        EXTENSION.module().backward_ranges(qa, kf, vf, df, ls_, delta, lo.contiguous(), hi.contiguous(), K,
+    def call(qa, kf, vf, df, ls_, of, dq, dk, dv, P):
+        EXTENSION.module().backward_ranges(qa, kf, vf, df, ls_, of, lo.contiguous(), hi.contiguous(), K,
                                            exp_floor(acc_dtype(q)), float(scale), dq, dk, dv, P)
 
     return run_backward(q, k, v, out, dout, ls, scale, call)

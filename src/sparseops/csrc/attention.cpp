@@ -245,6 +245,18 @@ void row_scatter(const typename Vec<T>::type* x, const T* A, int64_t Gh, int64_t
   row_scatter_keys<T>(x + j, A, Gh, D, dst, rows + j, n - j);
 }
 
+// sum_d x[d] * y[d]: W partial sums, then a tree
+template <typename T> T dot(const T* x, const T* y, int64_t n) {
+  typedef typename Vec<T>::type V;
+  constexpr int W = Vec<T>::W;
+  V acc{};
+  int64_t d = 0;
+  for (; d + W <= n; d += W) acc += load<T>(x + d) * load<T>(y + d);
+  T r = sparseops_simd::hsum(acc);
+  for (; d < n; ++d) r += x[d] * y[d];
+  return r;
+}
+
 // The item's heads: h0 = n2 * G + hb * W, Gh = min(W, G - hb * W) active lanes.
 template <typename T> struct Heads {
   int64_t h0, Gh;
@@ -325,7 +337,7 @@ void forward_impl(const Args<T>& a, T* out, T* m, T* l, T* tgt, int64_t P) {
 }
 
 template <typename T>
-void backward_impl(const Args<T>& a, const T* dout, const T* lse, const T* delta, T scale, T* dq, T* dk, T* dv,
+void backward_impl(const Args<T>& a, const T* dout, const T* lse, const T* out, T scale, T* dq, T* dk, T* dv,
                    int64_t rows_kv, int64_t P) {
   typedef typename Vec<T>::type V;
   for_items(a, P, [&](int64_t it, int64_t tid, Scratch<T>& sc) {
@@ -336,10 +348,11 @@ void backward_impl(const Args<T>& a, const T* dout, const T* lse, const T* delta
     const int64_t* rows = sc.rows.data();
     load_heads(a.q, t, a.N1, a.D, h, sc.xT.data(), sc.qN.data(), a.qscale);
     load_heads(dout, t, a.N1, a.Dv, h, sc.yT.data(), sc.yN.data(), T(1));
-    V ls{}, dl{};
+    V ls{}, dl{};  // dl: delta = rowsum(dO * O) of each head, from the dO rows just loaded
+    const T* ob = out + (t * a.N1 + h.h0) * a.Dv;
     for (int64_t lane = 0; lane < h.Gh; ++lane) {
       ls[lane] = lse[t * a.N1 + h.h0 + lane];
-      dl[lane] = delta[t * a.N1 + h.h0 + lane];
+      dl[lane] = dot<T>(sc.yN.data() + lane * a.Dv, ob + lane * a.Dv, a.Dv);
     }
     V *p = sc.s.data(), *ds = sc.dp.data();
     T *dkt = dk + tid * rows_kv * a.D, *dvt = dv + tid * rows_kv * a.Dv;
@@ -463,13 +476,13 @@ void forward(Tensor q, Tensor k, Tensor v, Tensor topk, Tensor kv_start,
 }
 
 void backward(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse,
-              Tensor delta, Tensor topk, Tensor kv_start, Tensor seq_len,
+              Tensor out, Tensor topk, Tensor kv_start, Tensor seq_len,
               Tensor pos, int64_t bs, bool causal, double floor, double scale, Tensor dq,
               Tensor dk, Tensor dv, int64_t tasks) {
   sparseops_simd::by_dtype(q, [&](auto z) {
     using T = decltype(z);
     backward_impl(make_args<T>(q, k, v, topk, kv_start, seq_len, pos, bs, causal, floor, scale), dout.data_ptr<T>(),
-                  lse.data_ptr<T>(), delta.data_ptr<T>(), T(scale), dq.data_ptr<T>(), dk.data_ptr<T>(),
+                  lse.data_ptr<T>(), out.data_ptr<T>(), T(scale), dq.data_ptr<T>(), dk.data_ptr<T>(),
                   dv.data_ptr<T>(), k.size(0) * k.size(1), tasks);
   });
 }
@@ -494,12 +507,12 @@ void forward_ranges(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, int64_t 
   });
 }
 
-void backward_ranges(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse, Tensor delta, Tensor lo, Tensor hi,
+void backward_ranges(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse, Tensor out, Tensor lo, Tensor hi,
                      int64_t K, double floor, double scale, Tensor dq, Tensor dk, Tensor dv, int64_t tasks) {
   sparseops_simd::by_dtype(q, [&](auto z) {
     using T = decltype(z);
     backward_impl(range_args<T>(q, k, v, lo, hi, K, floor, scale), dout.data_ptr<T>(), lse.data_ptr<T>(),
-                  delta.data_ptr<T>(), T(scale), dq.data_ptr<T>(), dk.data_ptr<T>(), dv.data_ptr<T>(),
+                  out.data_ptr<T>(), T(scale), dq.data_ptr<T>(), dk.data_ptr<T>(), dv.data_ptr<T>(),
                   k.size(0) * k.size(1), tasks);
   });
 }

@@ -72,8 +72,8 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
     starts, lens, pos = token_key_rows(cu_q, cu_kv)
     ids = topk.to(torch.int64).contiguous()
 
-    def call(qa, kf, vf, df, ls, delta, dq, dk, dv, P):
-        _module().backward(qa, kf, vf, df, ls, delta, ids, starts, lens, pos, bs, causal, exp_floor(acc),
+    def call(qa, kf, vf, df, ls, of, dq, dk, dv, P):
+        _module().backward(qa, kf, vf, df, ls, of, ids, starts, lens, pos, bs, causal, exp_floor(acc),
                            float(scale), dq, dk, dv, P)
 
     return _backward(q, k, v, out, dout, lse, scale, call)
