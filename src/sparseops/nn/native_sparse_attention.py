@@ -10,6 +10,7 @@ from .._varlen import token_seq_positions
 from ..nsa.api import nsa_selected_attention
 from ..nsa_branches import compress_kv, compressed_attention, select_blocks, sliding_window_attention
 from ..nsa_branches.checks import DTYPES, cmp_cu_seqlens, cu_seqlens_list
+from ..nsa_branches.gating import gated_sum
 from .rope import apply_rope
 
 BRANCHES = ("cmp", "slc", "win")
@@ -169,8 +170,7 @@ class NativeSparseAttention(nn.Module):
             pos = token_seq_positions(cu, device=x.device)[1]
             q, k_s, k_w = (apply_rope(t, pos, self.rope_theta) for t in (q, k_s, k_w))
         gates = torch.sigmoid(self.gate_proj(x)).view(T, N1, 3) * self.gate_mask
-        zeros = q.new_zeros((T, N1, Dv))
-        o_cmp, o_slc, o_win = zeros, zeros, zeros
+        o_cmp = o_slc = o_win = None  # a branch not computed
         topk = q.new_full((T, N2, self.select_count), -1, dtype=torch.int32)
         if "cmp" in self.branches or "slc" in self.branches:
             phi = None if self.compressor == "mean" else (self.k_compressor, self.v_compressor)
@@ -186,11 +186,15 @@ class NativeSparseAttention(nn.Module):
                     q, k_s, v_s, topk, self.scale, N1, lb, self.select_count, actual_seq_qlen=cu[1:],
                     actual_seq_kvlen=cu[1:], sparse_mode=2, backend=self.backend, validate=False)[0]
             if "cmp" not in self.branches:
-                o_cmp = zeros
+                o_cmp = None
         if "win" in self.branches:
             o_win = sliding_window_attention(q, k_w, v_w, cu, self.window_size, self.scale)
-        o = gates[..., 0:1] * o_cmp + gates[..., 1:2] * o_slc + gates[..., 2:3] * o_win
+        outs = (o_cmp, o_slc, o_win)
+        on = [c for c, oc in enumerate(outs) if oc is not None]
+        o = gated_sum(gates if len(on) == 3 else gates[..., on], *(outs[c] for c in on))  # the other gates are 0
         y = self.o_proj(o.reshape(T, N1 * Dv))
         if not return_info:
             return y
+        zeros = q.new_zeros((T, N1, Dv))
+        o_cmp, o_slc, o_win = (zeros if oc is None else oc for oc in outs)
         return y, {"topk_indices": topk, "gates": gates, "o_cmp": o_cmp, "o_slc": o_slc, "o_win": o_win}

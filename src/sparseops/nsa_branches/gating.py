@@ -1,0 +1,41 @@
+"""The gated sum of the NSA branches, ``o = sum_c g[..., c] * o_c`` (docs/nsa-module.md), as one autograd node.
+
+Spelled with torch ops, the sum makes a fresh ``[T, N1, Dv]`` tensor per product and per addition, and its
+backward another per gate gradient before reducing it; each fresh tensor's pages cost more than its arithmetic
+(docs/perf.md). Here the forward writes one tensor, and the backward reduces each gate's gradient
+``rowsum(dO * o_c)`` by slices of tokens (``_numerics.row_dot``, in fp32, float64 for float64).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._numerics import acc_dtype, row_dot
+
+
+class _GatedSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gates, *outs):
+        o = outs[0] * gates[..., 0:1]
+        for c in range(1, len(outs)):
+            o.addcmul_(outs[c], gates[..., c:c + 1])
+        ctx.save_for_backward(gates, *outs)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        gates, *outs = ctx.saved_tensors
+        dg = None
+        if ctx.needs_input_grad[0]:
+            acc = acc_dtype(do)
+            dg = torch.stack([row_dot(do, o, acc) for o in outs], dim=-1).to(gates.dtype)
+        douts = [do * gates[..., c:c + 1] if ctx.needs_input_grad[1 + c] else None for c in range(len(outs))]
+        return dg, *douts
+
+
+def gated_sum(gates: torch.Tensor, *outs: torch.Tensor) -> torch.Tensor:
+    """``sum_c gates[..., c:c+1] * outs[c]`` for ``gates [..., C]`` and C tensors ``[..., D]`` of one dtype and
+    shape; differentiable in all of them."""
+    if gates.shape[-1] != len(outs):
+        raise ValueError(f"gates: expected {len(outs)} columns (one per output), got {gates.shape[-1]}")
+    return _GatedSum.apply(gates, *outs)
