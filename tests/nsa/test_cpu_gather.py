@@ -28,6 +28,8 @@ CASES = [
     ("bs32-G1-noncausal", [17, 30], [17, 64], 2, 2, 16, 16, 32, 4, False, 0.3, True),
     ("bs64-G16-D128", [130], None, 32, 2, 128, 128, 64, 3, True, 0.0, False),
     ("head-dim-256", [24], None, 8, 1, 256, 72, 16, 2, True, 0.0, False),
+    # blocks of 128 (two visits of 64 each), tiles of 8 tokens across sequences and an empty one, duplicates
+    ("bs128-tiles-across-seqs", [5, 0, 21, 12], [5, 0, 300, 12], 16, 1, 24, 20, 128, 3, True, 0.2, True),
 ]
 
 

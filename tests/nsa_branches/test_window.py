@@ -15,6 +15,7 @@ CASES = [
     ("window-longer-than-seq", [0, 13, 30], 3, 3, 8, 8, 100),
     ("G16", [0, 50], 16, 1, 8, 8, 17),
     ("G8-packed-len0", [0, 30, 30, 95], 16, 2, 16, 8, 9),
+    ("G16-w100-visits-across-64", [0, 150, 301], 16, 1, 8, 12, 100),  # each token's keys in up to 3 visits
 ]
 
 
