@@ -230,6 +230,38 @@ def crossover(rows: list[dict]) -> float | None:
     return None
 
 
+def visible_pairs(T: int, topk: torch.Tensor, blocks=BLOCKS) -> dict:
+    """Per branch, the (query token, key) pairs one query head of one sequence of T tokens attends: the selected
+    blocks' keys up to the token (``topk [T, 1, n]``), the window's ``min(t + 1, w)``, the compressed blocks
+    ``j`` with ``j*d + l - 1 <= t``."""
+    l, d, lb, w = (blocks[x] for x in ("l", "d", "lb", "w"))
+    t = torch.arange(T)
+    ids = topk[:, 0, :].long()
+    keys = ids[..., None] * lb + torch.arange(lb)
+    slc = int(((ids[..., None] >= 0) & (keys <= t[:, None, None])).sum())
+    win = int(torch.clamp(t + 1, max=w).sum())
+    cmp = int(torch.where(t >= l - 1, torch.div(t - (l - 1), d, rounding_mode="floor") + 1, 0).sum())
+    return {"slc": slc, "win": win, "cmp": cmp}
+
+
+def module_flops(T: int, hidden: int, pairs: dict, heads=HEADS) -> float:
+    """The FLOPs of the module's forward + backward with respect to its input (no weight gradients): every
+    projection twice (its product and its input gradient), each branch ``14 D`` per (query head, key) pair (the
+    forward's ``q.k`` and ``p v``, the backward's ``q.k`` again, ``dO.v``, ``dq``, ``dk``, ``dv``: seven products of
+    ``2 D``), the selection's compressed scores once (``2 D`` per pair)."""
+    N1, N2, D = heads["N1"], heads["N2"], heads["D"]
+    cols = N1 * D + 3 * N2 * 2 * D + 3 * N1  # q, the three branches' k and v, the gates
+    proj = 2 * (2 * T * hidden * cols + 2 * T * N1 * D * hidden)  # ... and o_proj
+    attn = 14 * D * N1 * (pairs["slc"] + pairs["win"] + pairs["cmp"]) + 2 * D * N1 * pairs["cmp"]
+    return float(proj + attn)
+
+
+def matmul_rate() -> float:
+    """fp32 FLOP/s of a ``[2048, 2048]`` matmul now, with this process's threads (the floors of ``_measure``)."""
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    return 2 * 2048 ** 3 / _common.median_time(lambda: torch.mm(a, b), warmup=1, min_runs=5)["median_s"]
+
+
 def bench_peer(T: int, runs: int, warmup: int = 1) -> dict:
     """The module against native_sparse_attention_pytorch.SparseAttention, fwd+bwd with respect to the input."""
     row = {"T": T}
@@ -251,6 +283,11 @@ def bench_peer(T: int, runs: int, warmup: int = 1) -> dict:
 
     t = timed(run_ours, runs, warmup)
     row.update(ours_fwdbwd_s=t["median_s"], ours_runs=t["runs"])
+    with torch.no_grad():
+        pairs = visible_pairs(T, ours(x, return_info=True)[1]["topk_indices"])
+    rate = matmul_rate()
+    row.update(pairs=pairs, flops=module_flops(T, hidden, pairs), matmul_fp32_flops=rate)
+    row["floor_s"] = row["flops"] / rate
     if "peer_skipped" in row:
         return row
     try:
@@ -301,6 +338,12 @@ def table(rows: list[dict], peer_rows: list[dict]) -> str:
                          f"peer {p['peer_fwdbwd_s']:.2f} s, speedup {p['speedup']:.2f}x " +
                          (f"(goal >= {PEER_GOAL}x: {'met' if p['speedup'] >= PEER_GOAL else 'missed'})"
                           if p["T"] == 4096 else f"(the goal, >= {PEER_GOAL}x, is set at T = 4096)"))
+        if "floor_s" in p:
+            best = f"; at the floor the speedup would be {p['peer_fwdbwd_s'] / p['floor_s']:.1f}x" \
+                if "peer_fwdbwd_s" in p else ""
+            lines.append(f"module floor: {p['flops'] / 1e9:.0f} GFLOP at the fp32 matmul rate of the run "
+                         f"({p['matmul_fp32_flops'] / 1e9:.0f} GFLOP/s) = {p['floor_s']:.2f} s; ours at "
+                         f"{p['floor_s'] / p['ours_fwdbwd_s']:.0%} of that rate{best}")
         else:
             lines.append(f"module at T = {p['T']}: ours {p['ours_fwdbwd_s']:.2f} s; peer skipped: "
                          f"{p.get('peer_skipped')}")
