@@ -52,3 +52,13 @@ def cpu_paths(request, monkeypatch):
 
     if not (cpu_gather.available(torch.zeros(1)) and indexer.EXTENSION.available(torch.zeros(1))):
         pytest.skip("the C++ CPU kernels are not built here")
+
+
+@pytest.fixture
+def nan_uninitialised(monkeypatch):
+    """The C++ attention kernels' outputs allocated full of NaN instead of uninitialised
+    (``sparseops._cpu_attention.uninitialised``): an element a kernel does not write shows up in the comparison."""
+    from sparseops import _cpu_attention
+
+    monkeypatch.setattr(_cpu_attention, "uninitialised",
+                        lambda *shape, dtype: torch.full(shape, float("nan"), dtype=dtype))

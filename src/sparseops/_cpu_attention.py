@@ -46,6 +46,18 @@ def tasks(rows_kv: int, D: int, Dv: int, elt: int) -> int:
     return max(1, min(torch.get_num_threads(), TASK_BYTES // per_task))
 
 
+def uninitialised(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor the kernel writes whole (each row, 0 for a row with no key): no zero pass over fresh pages."""
+    return torch.empty(*shape, dtype=dtype)
+
+
+def outputs(T1: int, N1: int, Dv: int, acc: torch.dtype, run: bool):
+    """``(out [T1, N1, Dv], m [T1, N1], l [T1, N1])`` in ``acc`` for a forward call: :func:`uninitialised` when the
+    kernel runs, zeros when it does not (``run`` false)."""
+    new = uninitialised if run else torch.zeros
+    return new(T1, N1, Dv, dtype=acc), new(T1, N1, dtype=acc), new(T1, N1, dtype=acc)
+
+
 def run_backward(q, k, v, out, dout, lse, scale, call):
     """The shared backward: buffers, one ``call(qa, k, v, dout, lse, out, dq, dk, dv, P)`` of the kernel (which
     computes each row's ``delta = rowsum(dout * out)`` from the rows it loads) and the per-task sums, in task
@@ -53,9 +65,9 @@ def run_backward(q, k, v, out, dout, lse, scale, call):
     acc = acc_dtype(q)
     T1, N1, D = q.shape
     T2, N2, Dv = v.shape
-    dq = torch.zeros(T1, N1, D, dtype=acc)
     if T1 == 0 or T2 == 0:
-        return dq.to(q.dtype), torch.zeros_like(k), torch.zeros_like(v)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq = uninitialised(T1, N1, D, dtype=acc)
     elt = torch.finfo(acc).bits // 8
     P = tasks(T2 * N2, D, Dv, elt)
     dk = torch.zeros(P, T2 * N2, D, dtype=acc)
@@ -74,11 +86,10 @@ def forward_ranges(q, k, v, lo, hi, scale):
     branches (:mod:`sparseops.nsa_branches.chunked_attention`)."""
     acc = acc_dtype(q)
     T1, N1, _ = q.shape
-    out = torch.zeros(T1, N1, v.shape[2], dtype=acc)
-    m = torch.zeros(T1, N1, dtype=acc)
-    l = torch.zeros(T1, N1, dtype=acc)
     K = int((hi - lo).max()) if T1 > 0 else 0
-    if K > 0 and k.shape[0] > 0:
+    run = K > 0 and k.shape[0] > 0
+    out, m, l = outputs(T1, N1, v.shape[2], acc, run)
+    if run:
         EXTENSION.module().forward_ranges(flat(q, acc), flat(k, acc), flat(v, acc), lo.contiguous(), hi.contiguous(),
                                           K, exp_floor(acc), float(scale), out, m, l, torch.get_num_threads())
     lse = torch.where(l > 0, m + torch.log(l), float("-inf"))

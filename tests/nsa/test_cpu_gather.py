@@ -33,6 +33,9 @@ CASES = [
 ]
 
 
+pytestmark = pytest.mark.usefixtures("nan_uninitialised")
+
+
 @pytest.fixture(autouse=True)
 def _built():
     if not cpu_gather.available(torch.zeros(1)):

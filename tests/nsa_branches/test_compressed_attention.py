@@ -18,7 +18,7 @@ CASES = [
 
 
 @pytest.fixture(autouse=True, params=["cpu-kernels", "chunks"])
-def _paths(request):
+def _paths(request, nan_uninitialised):
     """Every test twice: the C++ range kernels where they apply (G filling a vector: the G8 / G16 cases in
     float64) and the chunked torch path."""
     with chunked_attention.SETTINGS.override(cpu_kernels=request.param == "cpu-kernels"):

@@ -64,7 +64,10 @@ void forward_tokens(const Args<T>& a, T* out, T* m, T* l, T* tgt, int64_t P) {
     const Heads<T> h(a.G, n2, hb);
     const int64_t n = visible_rows(a, t, n2, sc.rows.data(), tgt != nullptr ? sc.slots.data() : nullptr);
     T* o = out + (t * a.N1 + h.h0) * a.Dv;
-    if (n == 0) {  // no visible key: out, m, l stay 0
+    if (n == 0) {  // no visible key: out, m, l are 0
+      std::fill(o, o + h.Gh * a.Dv, T(0));
+      std::fill(m + t * a.N1 + h.h0, m + t * a.N1 + h.h0 + h.Gh, T(0));
+      std::fill(l + t * a.N1 + h.h0, l + t * a.N1 + h.h0 + h.Gh, T(0));
       return;
     }
     load_heads(a.q, t, a.N1, a.D, h, sc.xT.data(), static_cast<T*>(nullptr), a.qscale);
@@ -99,7 +102,11 @@ void backward_tokens(const Args<T>& a, const T* dout, const T* lse, const T* out
     const int64_t hb = it % a.HB, n2 = (it / a.HB) % a.N2, t = it / (a.HB * a.N2);
     const Heads<T> h(a.G, n2, hb);
     const int64_t n = visible_rows(a, t, n2, sc.rows.data());
-    if (n == 0) return;  // dq rows stay 0
+    if (n == 0) {  // dq rows are 0
+      T* g = dq + (t * a.N1 + h.h0) * a.D;
+      std::fill(g, g + h.Gh * a.D, T(0));
+      return;
+    }
     const int64_t* rows = sc.rows.data();
     load_heads(a.q, t, a.N1, a.D, h, sc.xT.data(), sc.qN.data(), a.qscale);
     load_heads(dout, t, a.N1, a.Dv, h, sc.yT.data(), sc.yN.data(), T(1));

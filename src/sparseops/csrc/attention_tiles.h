@@ -129,8 +129,10 @@ template <typename T> void forward_tiles(const Args<T>& a, T* out, T* m, T* l, i
         row_scores2<T>(sc.xT.data() + x.tok * a.D, sc.xT.data() + y.tok * a.D, a.D, a.k, rows, x.n, a.D, S(x), S(y));
       }
     }
-    for (int64_t i = 0; i < t1 - t0; ++i)
+    for (int64_t i = 0; i < t1 - t0; ++i) {
+      sc.sum[i] = sc.mx[i] = V{};  // a token that sees no key: out, m, l are 0
       if (sc.count[i] > 0) sc.sum[i] = softmax_terms<T>(sc.s.data() + i * KB, sc.count[i], a.floor, sc.mx[i]);
+    }
     for (const Unit& u : sc.units) {  // P V
       const Visit& x = sc.visits[u.a];
       const int64_t* rows = visit_rows(x, a.N2, sc.rows);
@@ -142,7 +144,6 @@ template <typename T> void forward_tiles(const Args<T>& a, T* out, T* m, T* l, i
       }
     }
     for (int64_t i = 0; i < t1 - t0; ++i) {
-      if (sc.count[i] == 0) continue;  // no visible key: out, m, l stay 0
       const int64_t t = t0 + i;
       const V sum = sc.sum[i];
       V inv;
@@ -215,7 +216,6 @@ void backward_tiles(const Args<T>& a, const T* dout, const T* lse, const T* out,
       }
     }
     for (int64_t i = 0; i < t1 - t0; ++i) {
-      if (sc.count[i] == 0) continue;  // dq rows stay 0
       T* g = dq + ((t0 + i) * a.N1 + h.h0) * a.D;
       const V* oT = sc.oT.data() + i * Do;
       for (int64_t lane = 0; lane < h.Gh; ++lane)

@@ -22,6 +22,7 @@ import torch
 
 from .._cpu_attention import EXTENSION, available, fills_lanes, lanes  # noqa: F401  (this path's names for them)
 from .._cpu_attention import flat as _flat
+from .._cpu_attention import outputs as _outputs
 from .._cpu_attention import run_backward as _backward
 from .._numerics import acc_dtype, exp_floor
 from .._varlen import token_key_rows
@@ -50,12 +51,11 @@ def forward(q, k, v, topk, scale, bs, cu_q, cu_kv, causal, target=False):
     K = topk.shape[2]
     if target and bs != 1:
         raise ValueError(f"target: the loss's target is defined at token granularity (bs = 1), got bs = {bs}")
-    out = torch.zeros(T1, N1, Dv, dtype=acc)
-    m = torch.zeros(T1, N1, dtype=acc)
-    l = torch.zeros(T1, N1, dtype=acc)
+    run = T1 > 0 and k.shape[0] > 0
+    out, m, l = _outputs(T1, N1, Dv, acc, run)
     parts = N2 * -(-(N1 // N2) // lanes(acc))  # work items per token: KV heads x vectors of query heads
     tgt = torch.zeros(T1, parts, K, dtype=acc) if target else None
-    if T1 > 0 and k.shape[0] > 0:
+    if run:
         starts, lens, pos = token_key_rows(cu_q, cu_kv)
         _module().forward(_flat(q, acc), _flat(k, acc), _flat(v, acc), topk.to(torch.int64).contiguous(), starts,
                           lens, pos, bs, causal, exp_floor(acc), float(scale), out, m, l, tgt, torch.get_num_threads())
