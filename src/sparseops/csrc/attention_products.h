@@ -112,33 +112,36 @@ void row_combine(const typename Vec<T>::type* p, const T* base, const int64_t* r
   }
 }
 
+// o[d] += sum_{h < Gh} xs[h] * A[h, d] for d in [d0, D), plus the same of ys and A1 when ys is given: one key row's
+// update of row_scatter, without tiles.
+template <typename T>
+void scatter_key(T* o, const T* xs, const T* A, const T* ys, const T* A1, int64_t Gh, int64_t D, int64_t d0) {
+  typedef typename Vec<T>::type V;
+  constexpr int W = Vec<T>::W;
+  for (; d0 + W <= D; d0 += W) {
+    V a = load<T>(o + d0);
+    for (int64_t h = 0; h < Gh; ++h) a += xs[h] * load<T>(A + h * D + d0);
+    if (ys != nullptr)
+      for (int64_t h = 0; h < Gh; ++h) a += ys[h] * load<T>(A1 + h * D + d0);
+    store<T>(o + d0, a);
+  }
+  for (; d0 < D; ++d0) {
+    T a = o[d0];
+    for (int64_t h = 0; h < Gh; ++h) a += xs[h] * A[h * D + d0];
+    if (ys != nullptr)
+      for (int64_t h = 0; h < Gh; ++h) a += ys[h] * A1[h * D + d0];
+    o[d0] = a;
+  }
+}
+
 // row_scatter one key at a time.
 template <typename T>
 void row_scatter_keys(const typename Vec<T>::type* x, const T* A, int64_t Gh, int64_t D, T* dst,
                       const int64_t* rows, int64_t n, const typename Vec<T>::type* x1 = nullptr,
                       const T* A1 = nullptr) {
-  typedef typename Vec<T>::type V;
-  constexpr int W = Vec<T>::W;
-  for (int64_t j = 0; j < n; ++j) {
-    T* o = dst + rows[j] * D;
-    const T* xs = reinterpret_cast<const T*>(x + j);
-    const T* ys = x1 != nullptr ? reinterpret_cast<const T*>(x1 + j) : nullptr;
-    int64_t d0 = 0;
-    for (; d0 + W <= D; d0 += W) {
-      V a = load<T>(o + d0);
-      for (int64_t h = 0; h < Gh; ++h) a += xs[h] * load<T>(A + h * D + d0);
-      if (ys != nullptr)
-        for (int64_t h = 0; h < Gh; ++h) a += ys[h] * load<T>(A1 + h * D + d0);
-      store<T>(o + d0, a);
-    }
-    for (; d0 < D; ++d0) {
-      T a = o[d0];
-      for (int64_t h = 0; h < Gh; ++h) a += xs[h] * A[h * D + d0];
-      if (ys != nullptr)
-        for (int64_t h = 0; h < Gh; ++h) a += ys[h] * A1[h * D + d0];
-      o[d0] = a;
-    }
-  }
+  for (int64_t j = 0; j < n; ++j)
+    scatter_key<T>(dst + rows[j] * D, reinterpret_cast<const T*>(x + j), A,
+                   x1 != nullptr ? reinterpret_cast<const T*>(x1 + j) : nullptr, A1, Gh, D, 0);
 }
 
 // a[c][i] += sum_{h < Gh} x[c][h] * A[h, i * W .. (i + 1) * W) for the C keys x[c] and the B vectors of the rows of A
@@ -193,28 +196,10 @@ void row_scatter(const typename Vec<T>::type* x, const T* A, int64_t Gh, int64_t
       for (int c = 0; c < C; ++c)
         for (int i = 0; i < B; ++i) store<T>(o[c] + d0 + i * W, a[c][i]);
     }
-    if (d0 < D) {  // the last d, fewer than B vectors: key by key
-      for (int c = 0; c < C; ++c) {
-        T* oc = o[c];
-        const T* xs = reinterpret_cast<const T*>(x + j + c);
-        const T* ys = x1 != nullptr ? reinterpret_cast<const T*>(x1 + j + c) : nullptr;
-        int64_t d = d0;
-        for (; d + W <= D; d += W) {
-          V acc = load<T>(oc + d);
-          for (int64_t h = 0; h < Gh; ++h) acc += xs[h] * load<T>(A + h * D + d);
-          if (ys != nullptr)
-            for (int64_t h = 0; h < Gh; ++h) acc += ys[h] * load<T>(A1 + h * D + d);
-          store<T>(oc + d, acc);
-        }
-        for (; d < D; ++d) {
-          T acc = oc[d];
-          for (int64_t h = 0; h < Gh; ++h) acc += xs[h] * A[h * D + d];
-          if (ys != nullptr)
-            for (int64_t h = 0; h < Gh; ++h) acc += ys[h] * A1[h * D + d];
-          oc[d] = acc;
-        }
-      }
-    }
+    if (d0 < D)  // the last d, fewer than B vectors: key by key
+      for (int c = 0; c < C; ++c)
+        scatter_key<T>(o[c], reinterpret_cast<const T*>(x + j + c), A,
+                       x1 != nullptr ? reinterpret_cast<const T*>(x1 + j + c) : nullptr, A1, Gh, D, d0);
   }
   row_scatter_keys<T>(x + j, A, Gh, D, dst, rows + j, n - j, x1 != nullptr ? x1 + j : nullptr, A1);
 }
