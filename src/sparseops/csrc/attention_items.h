@@ -11,7 +11,7 @@ namespace sparseops_attn {
 
 using sparseops_simd::Vec;
 
-// keys per block of the tokens way's fused products, and the most keys of one visit in the tile way
+// the most keys of one unit of work (attention_tiles.h)
 constexpr int64_t KEY_BLOCK = 64;
 
 template <typename T> struct Args {
@@ -19,6 +19,7 @@ template <typename T> struct Args {
   const int64_t *topk, *kv_start, *seq_len, *pos;
   const int64_t *lo = nullptr, *hi = nullptr;  // range mode (topk null): token t sees key rows [lo[t], hi[t])
   int64_t T1, N1, N2, D, Dv, K, bs, G, HB;
+  int64_t R;  // flat key rows, T2 * N2
   bool causal;
   T floor;  // the lowest exponent computed (sparseops._numerics.exp_floor)
   T qscale;  // the softmax scale, applied to q as it is loaded
