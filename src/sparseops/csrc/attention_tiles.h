@@ -1,8 +1,11 @@
-// The tile way through the keys of the C++ attention kernels (csrc/attention.cpp): an item is a tile of TILE
-// consecutive query tokens of one KV head; each token's keys are cut into visits of at most KEY_BLOCK consecutive
-// rows (cut at multiples of KEY_BLOCK positions, so that neighbours' visits coincide); two tokens' visits of the
-// same rows run together as one unit (the products' *2 forms: each loaded key element serves both), units in the
-// order of their rows, so that a row's key, value, dK and dV stay in the cache while the tile's tokens visit it.
+// The work of the C++ attention kernels (csrc/attention.cpp): an item is a tile of consecutive query tokens of one
+// KV head (and group of W heads), and two tokens' keys over the same rows run together as one unit (the products'
+// *2 forms: each loaded key element serves both).
+// - Blocks and ranges: each token's keys are cut into visits of at most KEY_BLOCK consecutive rows (cut at
+//   multiples of KEY_BLOCK positions, so that neighbours' visits coincide); two tokens' visits of the same rows
+//   form a unit, units in the order of their rows, so that a row's key, value, dK and dV stay in the cache while
+//   the tile's tokens visit it.
+// - Token granularity: tiles of two neighbours, whose common rows form units of both and the rest units of one.
 #pragma once
 
 #include "attention_items.h"
