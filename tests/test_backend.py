@@ -8,6 +8,8 @@ import torch
 
 import sparseops
 from sparseops import _backend, _checks
+from sparseops.moe.api import FAMILY as MOE
+from sparseops.nsa.api import FAMILY as NSA
 
 
 @pytest.fixture
@@ -26,7 +28,7 @@ def triton_importable(monkeypatch):
     ids=["cpu", "cuda-bf16", "cuda-fp32", "cuda-fp64-falls-back"],
 )
 def test_auto_backend(triton_importable, device, dtype, expected):
-    assert _backend.resolve("nsa", "auto", torch.device(device), dtype) == expected
+    assert _backend.resolve(NSA, "auto", torch.device(device), dtype) == expected
 
 
 def test_triton_on_cpu_is_a_clear_error():
@@ -36,7 +38,7 @@ def test_triton_on_cpu_is_a_clear_error():
 
 
 def _without_triton_module(monkeypatch):
-    """``from .moe import triton_impl`` in ``sparseops._backend`` fails, even after another test imported it."""
+    """Importing ``sparseops.moe.triton_impl`` fails, even after another test imported it."""
     import sparseops.moe
 
     monkeypatch.setitem(sys.modules, "sparseops.moe.triton_impl", None)
@@ -46,24 +48,24 @@ def _without_triton_module(monkeypatch):
 def test_missing_triton_module_is_a_clear_error(monkeypatch):
     _without_triton_module(monkeypatch)
     with pytest.raises(ValueError, match="backend: 'triton'"):
-        _backend.module("moe", "triton")
+        _backend.module(MOE, "triton")
 
 
 def test_auto_falls_back_to_torch_when_the_triton_module_is_missing(monkeypatch):
     _without_triton_module(monkeypatch)
     monkeypatch.setattr(_checks, "resolve_backend", lambda backend, device: "triton" if backend == "auto" else backend)
     cpu = torch.device("cpu")
-    assert _backend.resolve("moe", "auto", cpu) == ("torch", False)
+    assert _backend.resolve(MOE, "auto", cpu) == ("torch", False)
     with pytest.raises(ValueError, match="backend: 'triton'"):
-        _backend.resolve("moe", "triton", cpu)
+        _backend.resolve(MOE, "triton", cpu)
 
 
 def test_backends_are_called_by_keyword_with_one_signature_each():
     # call() passes arguments by name: every backend module of a family takes the same parameter names
     import inspect
 
-    for family, fns in _backend.FUNCTIONS.items():
-        for fn in fns:
+    for family in (MOE, NSA):
+        for fn in family.functions:
             params = [list(inspect.signature(getattr(_backend.module(family, name), fn)).parameters)
                       for name in ("reference", "torch", "triton")]
             assert params[0] == params[1] == params[2], (family, fn, params)
@@ -72,15 +74,15 @@ def test_backends_are_called_by_keyword_with_one_signature_each():
 def test_call_runs_the_named_function_and_rejects_unknown_ones():
     si = torch.tensor([1, 0, 2, 3], dtype=torch.int32)
     x = torch.randn(4, 3)
-    got = _backend.call("moe", "torch", "unpermute", permuted_tokens=x, sorted_indices=si, probs=None, K=2, s=0, e=4)
-    want = _backend.module("moe", "reference").unpermute(x, si, None, 2, 0, 4)
+    got = _backend.call(MOE, "torch", "unpermute", permuted_tokens=x, sorted_indices=si, probs=None, K=2, s=0, e=4)
+    want = _backend.module(MOE, "reference").unpermute(x, si, None, 2, 0, 4)
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="fn: expected one of"):
-        _backend.call("moe", "torch", "forward")
-    with pytest.raises(ValueError, match="family: expected one of"):
-        _backend.module("dense", "torch")
+        _backend.call(MOE, "torch", "forward")
+    with pytest.raises(TypeError, match="family: expected a sparseops._backend.Family"):
+        _backend.module("moe", "torch")
     with pytest.raises(ValueError, match="backend: expected 'reference', 'torch' or 'triton'"):
-        _backend.module("nsa", "auto")
+        _backend.module(NSA, "auto")
 
 
 def test_auto_reruns_on_torch_where_a_kernel_does_not_fit_and_remembers_the_shape(monkeypatch):
@@ -103,15 +105,15 @@ def test_auto_reruns_on_torch_where_a_kernel_does_not_fit_and_remembers_the_shap
     cu = [0, 5, 12]
     kw = dict(q=a["query"], k=a["key"], v=a["value"], topk=a["topk_indices"], scale=0.25, bs=16, cu_q=cu,
               cu_kv=cu, causal=True)
-    want = _backend.call("nsa", "torch", "forward", **kw)
+    want = _backend.call(NSA, "torch", "forward", **kw)
     with pytest.warns(RuntimeWarning, match="backend='auto' runs this shape on the torch path"):
-        got = _backend.call("nsa", "triton", "forward", fallback_key=("shape",), **kw)
+        got = _backend.call(NSA, "triton", "forward", fallback_key=("shape",), **kw)
     assert calls == ["triton"] and all(torch.equal(x, y) for x, y in zip(got, want))
-    again = _backend.call("nsa", "triton", "forward", fallback_key=("shape",), **kw)  # remembered: no try
+    again = _backend.call(NSA, "triton", "forward", fallback_key=("shape",), **kw)  # remembered: no try
     assert calls == ["triton"] and all(torch.equal(x, y) for x, y in zip(again, want))
     with pytest.raises(_triton.DoesNotFit):  # without a fallback key (an explicit "triton"): the error
-        _backend.call("nsa", "triton", "forward", **kw)
+        _backend.call(NSA, "triton", "forward", **kw)
     _backend.forget_fits()
     with pytest.warns(RuntimeWarning):
-        _backend.call("nsa", "triton", "forward", fallback_key=("shape",), **kw)
+        _backend.call(NSA, "triton", "forward", fallback_key=("shape",), **kw)
     assert calls == ["triton"] * 3

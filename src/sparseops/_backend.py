@@ -1,9 +1,11 @@
-"""The one dispatcher: a backend name -> the module that implements it, for both op families.
+"""The one dispatcher: an op family's backend name -> the module that implements it.
 
-Every op family (``"moe"``, ``"nsa"``) has three implementations of one contract (docs/internals.md):
+Every op family (``moe``, ``nsa``) has three implementations of one contract (docs/internals.md):
 ``reference`` (slow and obvious: the oracle), ``torch`` (vectorized PyTorch: the CPU path and the fallback on
-every device) and ``triton`` (the GPU kernels). The first two are bound here by static import; the Triton
-modules are imported on first use, so that ``import sparseops`` works without Triton.
+every device) and ``triton`` (the GPU kernels). A family describes itself with a :class:`Family` in its own
+``api`` module (``sparseops.moe.api.FAMILY``, ``sparseops.nsa.api.FAMILY``), so this module knows no family:
+the first two backends are the family's modules, the Triton module is named by its path and imported on first
+use, so that ``import sparseops`` works without Triton.
 
 A public op resolves the user's ``backend=`` once (:func:`resolve`), before its custom op runs; the custom op
 then calls :func:`call` with the backend's name and its arguments by keyword. ``backend="auto"`` that chose
@@ -14,71 +16,75 @@ with a ``RuntimeWarning``, and later calls with the same key go to torch straigh
 
 from __future__ import annotations
 
+import importlib
 import warnings
+from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
 from . import _checks, _triton
-from .moe import reference as moe_reference
-from .moe import torch_impl as moe_torch
-from .nsa import reference as nsa_reference
-from .nsa import torch_impl as nsa_torch
 
-#: the op families and the functions each backend module provides
-FUNCTIONS = {
-    "moe": ("permute", "unpermute", "unpermute_grad", "permute_grad"),
-    "nsa": ("forward", "backward"),
-}
 
-_STATIC = {
-    ("moe", "reference"): moe_reference,
-    ("moe", "torch"): moe_torch,
-    ("nsa", "reference"): nsa_reference,
-    ("nsa", "torch"): nsa_torch,
-}
+@dataclass(frozen=True, eq=False)
+class Family:
+    """One op family's backends.
 
-#: dtypes the Triton kernels of a family take; ``auto`` sends the others (float64, a testing dtype) to torch
-_TRITON_DTYPES = {"nsa": (torch.float16, torch.bfloat16, torch.float32)}
+    Attributes:
+        name: ``"moe"`` or ``"nsa"`` (in messages and fallback keys).
+        functions: the functions every backend module provides, called by keyword (one signature each).
+        reference: the float64-exact oracle module.
+        torch: the vectorized PyTorch module.
+        triton: the import path of the Triton module (imported on first use).
+        triton_dtypes: the dtypes the Triton kernels take (``auto`` sends others to torch); None: every dtype.
+    """
 
-#: ``(family, fn, fallback key, triton knobs)`` of ``auto`` calls whose Triton kernels did not fit
+    name: str
+    functions: tuple[str, ...]
+    reference: ModuleType
+    torch: ModuleType
+    triton: str
+    triton_dtypes: tuple[torch.dtype, ...] | None = None
+
+
+#: ``(family name, fn, fallback key, triton knobs)`` of ``auto`` calls whose Triton kernels did not fit
 _DOES_NOT_FIT: set = set()
 
 
-def _check_family(family: str) -> None:
-    if family not in FUNCTIONS:
-        raise ValueError(f"family: expected one of {tuple(FUNCTIONS)}, got {family!r}")
+def _check_family(family) -> None:
+    if not isinstance(family, Family):
+        raise TypeError(f"family: expected a sparseops._backend.Family (e.g. sparseops.moe.api.FAMILY), got "
+                        f"{type(family).__name__}")
 
 
-def _triton_module(family: str):
-    """``sparseops.<family>.triton_impl``, imported now (a ``ValueError`` naming the backend when it cannot be)."""
+def _triton_module(family: Family):
+    """The family's Triton module, imported now (a ``ValueError`` naming the backend when it cannot be)."""
     try:
-        if family == "moe":
-            from .moe import triton_impl as mod
-        else:
-            from .nsa import triton_impl as mod
+        mod = importlib.import_module(family.triton)
     except ImportError as exc:
         raise ValueError(
-            f"backend: 'triton' was asked for but sparseops.{family}.triton_impl could not be imported "
+            f"backend: 'triton' was asked for but {family.triton} could not be imported "
             f"({type(exc).__name__}: {exc}); use backend='torch' or 'auto'"
         ) from exc
-    missing = [f for f in FUNCTIONS[family] if not hasattr(mod, f)]
+    missing = [f for f in family.functions if not hasattr(mod, f)]
     if missing:
-        raise ValueError(f"backend: 'triton' {family} backend lacks {missing}; use backend='torch' or 'auto'")
+        raise ValueError(f"backend: 'triton' {family.name} backend lacks {missing}; use backend='torch' or 'auto'")
     return mod
 
 
-def module(family: str, name: str):
+def module(family: Family, name: str):
     """The module implementing ``family`` on backend ``name`` (``"reference"``, ``"torch"`` or ``"triton"``)."""
     _check_family(family)
     if name == "triton":
         return _triton_module(family)
-    try:
-        return _STATIC[(family, name)]
-    except KeyError:
-        raise ValueError(f"backend: expected 'reference', 'torch' or 'triton', got {name!r}") from None
+    if name == "reference":
+        return family.reference
+    if name == "torch":
+        return family.torch
+    raise ValueError(f"backend: expected 'reference', 'torch' or 'triton', got {name!r}")
 
 
-def resolve(family: str, backend, device: torch.device, dtype: torch.dtype | None = None) -> tuple[str, bool]:
+def resolve(family: Family, backend, device: torch.device, dtype: torch.dtype | None = None) -> tuple[str, bool]:
     """The user's ``backend=`` -> ``(name, auto)``: the backend that runs and whether ``auto`` chose Triton.
 
     ``auto`` means Triton for CUDA tensors when Triton and the family's Triton module import (and the kernels
@@ -90,7 +96,7 @@ def resolve(family: str, backend, device: torch.device, dtype: torch.dtype | Non
     if name != "triton":
         return name, False
     auto = backend == "auto"
-    if auto and dtype is not None and family in _TRITON_DTYPES and dtype not in _TRITON_DTYPES[family]:
+    if auto and dtype is not None and family.triton_dtypes is not None and dtype not in family.triton_dtypes:
         return "torch", False
     if not torch.compiler.is_compiling():
         try:
@@ -108,13 +114,13 @@ def _knobs(mod) -> tuple:
     return settings.get() if settings is not None else None
 
 
-def call(family: str, name: str, fn: str, *, fallback_key: tuple | None = None, **kwargs):
+def call(family: Family, name: str, fn: str, *, fallback_key: tuple | None = None, **kwargs):
     """``module(family, name).<fn>(**kwargs)``.
 
     Args:
-        family: ``"moe"`` or ``"nsa"``.
+        family: the op family (its ``api.FAMILY``).
         name: a resolved backend (:func:`resolve`): ``"reference"``, ``"torch"`` or ``"triton"``.
-        fn: the function of the backend module (:data:`FUNCTIONS`).
+        fn: one of the family's functions (:attr:`Family.functions`).
         fallback_key: None, or (``auto`` chose Triton) a hashable key of what decides whether the kernels fit;
             a :class:`~sparseops._triton.DoesNotFit` then reruns the call on torch with a ``RuntimeWarning``,
             and calls with the same key (and the same Triton knobs) run on torch without trying Triton.
@@ -123,12 +129,13 @@ def call(family: str, name: str, fn: str, *, fallback_key: tuple | None = None, 
     Returns:
         What the backend function returns.
     """
-    if fn not in FUNCTIONS.get(family, ()):
-        raise ValueError(f"fn: expected one of {FUNCTIONS.get(family)} for {family!r}, got {fn!r}")
+    _check_family(family)
+    if fn not in family.functions:
+        raise ValueError(f"fn: expected one of {family.functions} for {family.name!r}, got {fn!r}")
     mod = module(family, name)
     if fallback_key is None:
         return getattr(mod, fn)(**kwargs)
-    key = (family, fn, fallback_key, _knobs(mod))
+    key = (family.name, fn, fallback_key, _knobs(mod))
     if key not in _DOES_NOT_FIT:
         try:
             return getattr(mod, fn)(**kwargs)

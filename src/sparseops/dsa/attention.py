@@ -14,6 +14,7 @@ import torch
 from .. import _backend, _checks
 from .._varlen import token_seq_positions
 from ..nsa import cpu_gather, torch_impl
+from ..nsa.api import FAMILY as NSA
 from ..nsa.api import nsa_selected_attention
 from ..nsa.checks import check_args
 from .checks import DTYPES, cu_seqlens_list
@@ -66,7 +67,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
     # the op's own checks (shapes, dtypes, positions in each sequence), under its argument names
     scale, _, cu, _, causal, device = check_args(q, k, v, blocks, scale, q.shape[1], 1, topk, None, cu[1:], cu[1:],
                                                  2, "TND", validate)
-    name, _ = _backend.resolve("nsa", backend, device, q.dtype)
+    name, _ = _backend.resolve(NSA, backend, device, q.dtype)
     if return_target and name == "torch" and torch_impl.uses_cpu_kernels(q, k, 1):
         return _AttentionWithTarget.apply(q, k, v, blocks.contiguous(), scale, cu, causal)
     out = nsa_selected_attention(q, k, v, blocks, scale, q.shape[1], 1, topk, actual_seq_qlen=cu[1:],

@@ -26,7 +26,7 @@ import torch
 
 from .. import _autograd, _backend
 from .._checks import check_same_device
-from . import torch_impl
+from . import reference, torch_impl
 from .checks import (  # noqa: F401  (the old import path of the checks, kept for one step)
     K_MAX,
     TOKEN_DTYPES,
@@ -37,6 +37,10 @@ from .checks import (  # noqa: F401  (the old import path of the checks, kept fo
     check_unpermute_grad_args,
     normalize_range,
 )
+
+#: the family's backends for the dispatcher (:mod:`sparseops._backend`)
+FAMILY = _backend.Family("moe", ("permute", "unpermute", "unpermute_grad", "permute_grad"), reference, torch_impl,
+                         "sparseops.moe.triton_impl")
 
 
 def _none_to_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -54,7 +58,7 @@ def _fresh(out: torch.Tensor, *inputs) -> torch.Tensor:
 def _call(backend: str, auto: bool, fn: str, rows: torch.Tensor, **kwargs):
     """The backend's ``fn`` by keyword; under ``auto`` with the shape key of ``rows`` (device, dtype, H, K)."""
     key = (str(rows.device), rows.dtype, rows.shape[1], kwargs["K"]) if auto else None
-    return _backend.call("moe", backend, fn, fallback_key=key, **kwargs)
+    return _backend.call(FAMILY, backend, fn, fallback_key=key, **kwargs)
 
 
 # Custom ops cannot return None: an empty tensor stands for it. ``backend`` is the resolved backend, ``auto``
@@ -165,7 +169,7 @@ _unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_se
 
 def _resolve(backend, *tensors) -> tuple[str, bool]:
     device = check_same_device(**{f"arg{i}": t for i, t in enumerate(tensors)})
-    return _backend.resolve("moe", backend, device)
+    return _backend.resolve(FAMILY, backend, device)
 
 
 # Public ops
@@ -224,7 +228,7 @@ def moe_token_permute_with_ep(
                                                          validate, num_experts)
     name, auto = _resolve(backend, tokens, indices, probs)
     if name == "triton" and not torch.compiler.is_compiling():
-        mod = _backend.module("moe", name)
+        mod = _backend.module(FAMILY, name)
         sorted_indices = getattr(mod, "sorted_indices_from", torch_impl.sorted_indices_from)(indices=indices)
     else:  # the reference's Python loop is no better an oracle than a stable argsort
         sorted_indices = torch_impl.sorted_indices_from(indices=indices)

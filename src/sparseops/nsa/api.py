@@ -17,6 +17,7 @@ import torch
 
 from .. import _autograd, _backend, _triton
 from .._config import resolve_deterministic
+from . import reference, torch_impl
 from .checks import (  # noqa: F401  (the old import path of the checks, kept for one step)
     DTYPES,
     MAX_HEAD_DIM,
@@ -29,6 +30,10 @@ from .checks import (  # noqa: F401  (the old import path of the checks, kept fo
 
 #: the old private name of :func:`.checks.check_args`, kept for one step (``aclnn`` imports it)
 _check_args = check_args
+
+#: the family's backends for the dispatcher (:mod:`sparseops._backend`); float64 is a testing dtype: torch
+FAMILY = _backend.Family("nsa", ("forward", "backward"), reference, torch_impl, "sparseops.nsa.triton_impl",
+                         triton_dtypes=(torch.float16, torch.bfloat16, torch.float32))
 
 def _autocast_off(device_type: str):
     """The ops compute in their inputs' dtypes with fp32 accumulation: an enclosing ``torch.autocast`` must not
@@ -72,7 +77,7 @@ def _fwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     with _autocast_off(query.device.type):
         return _backend.call(
-            "nsa", backend, "forward", fallback_key=_fallback_key(auto, query, key, value, topk, bs),
+            FAMILY, backend, "forward", fallback_key=_fallback_key(auto, query, key, value, topk, bs),
             q=query, k=key, v=value, topk=topk, scale=scale, bs=bs, cu_q=cu_q, cu_kv=cu_kv, causal=causal,
         )
 
@@ -112,7 +117,7 @@ def _bwd_op(
     deterministic = resolve_deterministic(deterministic)
     with _autocast_off(query.device.type):
         return _backend.call(
-            "nsa", backend, "backward",
+            FAMILY, backend, "backward",
             fallback_key=_fallback_key(auto, query, key, value, topk, bs, deterministic),
             q=query, k=key, v=value, out=out, dout=dout, m=m, l=l, topk=topk, scale=scale, bs=bs, cu_q=cu_q,
             cu_kv=cu_kv, causal=causal, deterministic=deterministic,
@@ -207,7 +212,7 @@ def nsa_selected_attention(
         query, key, value, topk_indices, scale_value, head_num, selected_block_size, selected_block_count,
         atten_mask, actual_seq_qlen, actual_seq_kvlen, sparse_mode, "TND", validate,
     )
-    name, auto = _backend.resolve("nsa", backend, device, query.dtype)
+    name, auto = _backend.resolve(FAMILY, backend, device, query.dtype)
     out, m, l = _fwd_op(query, key, value, topk_indices, scale, bs, cu_q, cu_kv, causal, name, auto)
     shape = (*m.shape, STAT_LANES)
     return out, m.unsqueeze(-1).expand(shape).contiguous(), l.unsqueeze(-1).expand(shape).contiguous()
@@ -263,7 +268,7 @@ def nsa_selected_attention_grad(
         attention_out, attention_out_grad, softmax_max, softmax_sum, grad=True,
     )
     resolve_deterministic(deterministic)  # its type, now; None is resolved when the op runs
-    name, auto = _backend.resolve("nsa", backend, device, query.dtype)
+    name, auto = _backend.resolve(FAMILY, backend, device, query.dtype)
     return _bwd_op(
         query, key, value, attention_out, attention_out_grad, softmax_max[..., 0].contiguous(),
         softmax_sum[..., 0].contiguous(), topk_indices, scale, bs, cu_q, cu_kv, causal, deterministic, name, auto,
