@@ -86,6 +86,25 @@ def test_import_does_not_import_triton_or_dynamo():
     assert r.returncode == 0, f"importing sparseops imported triton or torch._dynamo: {r.stdout} {r.stderr}"
 
 
+@pytest.mark.parametrize("lower, higher", [
+    ("sparseops._backend", ("sparseops.moe", "sparseops.nsa")),  # each family hands the dispatcher its FAMILY
+    ("sparseops.distributed.parallel, sparseops.distributed.checkpoint", ("sparseops.nn",)),
+])
+def test_lower_layers_import_no_higher_one(lower, higher):
+    """The layering of docs/internals.md: the dispatcher knows no op family, parallelize and the checkpoint
+    helpers know no layer (they work with distributed.expert_parallel.ExpertParallelModule)."""
+    code = (
+        f"import sys, {lower}\n"
+        f"bad = sorted(m for m in sys.modules if m.startswith({higher!r}))\n"
+        "print(repr(bad))\n"
+        "sys.exit(1 if bad else 0)\n"
+    )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, f"importing {lower} imported {r.stdout.strip()} {r.stderr[-500:]}"
+
+
 @pytest.mark.parametrize("name", [n for n in sorted(sparseops.__all__) if n != "__version__"])
 def test_public_functions_have_docstrings(name):
     fn = _op(name) if name in SIGNATURES else getattr(sparseops, name)

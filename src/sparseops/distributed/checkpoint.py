@@ -17,6 +17,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from .expert_parallel import ExpertParallelModule, ep_mesh, is_dtensor
+
 
 def _flatten(state, prefix: str = "") -> dict:
     """``{"model": {"a.b": t}}`` -> ``{"model.a.b": t}`` (lists by index), as DCP names the saved entries."""
@@ -62,13 +64,11 @@ def check_compatible(state_dict: Mapping, checkpoint_id: str | os.PathLike) -> N
 
 def _raw_expert_params(model: nn.Module) -> dict:
     """``{fqn: layer}`` of the local experts of MoE layers built with a raw ``ep_group`` (plain tensors)."""
-    from ..nn.moe_layer import MoELayer, _is_dtensor
-
     out = {}
     for name, m in model.named_modules():
-        if isinstance(m, MoELayer) and m.ep_size > 1 and m.batch_group is None:
+        if isinstance(m, ExpertParallelModule) and m.ep_size > 1 and m.batch_group is None:
             for pname, p in m.experts.named_parameters(recurse=False):
-                if not _is_dtensor(p):
+                if not is_dtensor(p):
                     out[f"{name}.experts.{pname}" if name else f"experts.{pname}"] = m
     return out
 
@@ -79,8 +79,6 @@ def _optim_to_global(model: nn.Module, optim_state: dict) -> dict:
     ``step``, the same on every rank) stay."""
     from torch.distributed.tensor import DTensor, Shard
 
-    from ..nn.moe_layer import _ep_mesh
-
     raw = _raw_expert_params(model)
     for fqn, moments in optim_state.get("state", {}).items():
         layer = raw.get(fqn)
@@ -89,7 +87,7 @@ def _optim_to_global(model: nn.Module, optim_state: dict) -> dict:
         for k, v in list(moments.items()):
             if isinstance(v, torch.Tensor) and v.dim() >= 1 and not isinstance(v, DTensor):
                 shape = torch.Size((layer.num_experts, *v.shape[1:]))
-                moments[k] = DTensor.from_local(v, _ep_mesh(layer, v.device.type), [Shard(0)], run_check=False,
+                moments[k] = DTensor.from_local(v, ep_mesh(layer, v.device.type), [Shard(0)], run_check=False,
                                                 shape=shape, stride=torch.empty(shape, device="meta").stride())
     return optim_state
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..nn.moe_layer import MoELayer, _refuse_ddp_around_ep
+from .expert_parallel import ExpertParallelModule
 
 DATA_PARALLEL = ("fsdp", "ddp")
 #: the DistributedDataParallel options ``parallelize(..., ddp_options=...)`` passes through (value types)
@@ -160,8 +160,8 @@ def _device_type(model: nn.Module) -> str:
     return "cuda" if "nccl" in backend else "cpu"
 
 
-def _moe_layers(model: nn.Module) -> list[MoELayer]:
-    return [m for m in model.modules() if isinstance(m, MoELayer)]
+def _moe_layers(model: nn.Module) -> list[ExpertParallelModule]:
+    return [m for m in model.modules() if isinstance(m, ExpertParallelModule)]
 
 
 def _check_ddp_options(options, data_parallel: str) -> dict:
@@ -183,7 +183,7 @@ def _check_ddp_options(options, data_parallel: str) -> dict:
     return dict(options)
 
 
-def _check(model: nn.Module, dims: ParallelDims, data_parallel: str) -> tuple[ParallelDims, list[MoELayer]]:
+def _check(model: nn.Module, dims: ParallelDims, data_parallel: str) -> tuple[ParallelDims, list[ExpertParallelModule]]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(dims, ParallelDims):
@@ -219,7 +219,7 @@ def _check(model: nn.Module, dims: ParallelDims, data_parallel: str) -> tuple[Pa
     return dims, layers
 
 
-def _shard_experts(layer: MoELayer, dims: ParallelDims, device_type: str) -> None:
+def _shard_experts(layer: ExpertParallelModule, dims: ParallelDims, device_type: str) -> None:
     """Replace the layer's full experts by this rank's block as DTensors of the global shape, Shard(0) on ep."""
     from torch.distributed.tensor import DTensor, Shard
 
@@ -232,15 +232,12 @@ def _shard_experts(layer: MoELayer, dims: ParallelDims, device_type: str) -> Non
         experts.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
     if hasattr(experts, "num_experts"):
         experts.num_experts = El  # the counts its forward takes are the local experts'
-    layer.ep_group, layer.ep_size, layer.ep_rank = ep_mesh.get_group(), dims.ep, j
-    _refuse_ddp_around_ep()
-    layer._group_checked = dims.ep == 1
-    layer.batch_group = dist.group.WORLD
-    layer._batch_rows = dist.get_process_group_ranks(layer.ep_group) if dims.ep > 1 else [dist.get_rank()]
-    layer.grad_scale = float(dims.world_size)
+    group = ep_mesh.get_group()
+    rows = dist.get_process_group_ranks(group) if dims.ep > 1 else [dist.get_rank()]
+    layer.join_expert_group(group, dims.ep, j, dist.group.WORLD, rows, dims.world_size)
 
 
-def _divide_grads(layer: MoELayer) -> None:
+def _divide_grads(layer: ExpertParallelModule) -> None:
     """A hook ``g / W`` on each expert parameter no FSDP unit reduces (``W = ep``), unless it has one.
 
     :func:`materialize` re-attaches it after ``to_empty``."""
@@ -328,7 +325,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, data_parallel: str = "f
     if data_parallel == "fsdp":
         dense = dims.mesh("dense", device_type)
         dense = dense if dims.dp_replicate > 1 else dense["dp_shard"]
-        units = {id(m): m for m in model.modules() if isinstance(m, MoELayer)}
+        units = {id(m): m for m in layers}
         units.update((id(c), c) for m in model.modules() if isinstance(m, nn.ModuleList) for c in m)
         for unit in [*units.values(), model]:  # inner units first: MoE layers, the blocks holding them, the root
             fully_shard(unit, mesh=dense, ignored_params=_owned(unit, loose))

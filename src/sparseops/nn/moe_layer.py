@@ -5,7 +5,6 @@ The math, the expert-parallel gradient semantics and the dispatchers' traffic ar
 
 from __future__ import annotations
 
-import sys
 from typing import NamedTuple
 
 import torch
@@ -16,6 +15,7 @@ from torch import nn
 from .._checks import check_float, check_int
 from ..distributed.collectives import even_sizes, gather_rows, split_rows
 from ..distributed.dispatchers import DISPATCH, DISPATCHERS, Plan
+from ..distributed.expert_parallel import ExpertParallelModule, inside_ddp
 from .capacity import DROP_POLICIES, capacity, drop_to_sink
 from .experts import ACTIVATIONS, GroupedExperts, _act_fwd
 from .router import TopKRouter
@@ -54,7 +54,7 @@ class SharedExpert(nn.Module):
         return F.linear(_act_fwd(F.linear(x, self.w1), F.linear(x, self.w3)), self.w2)
 
 
-class MoELayer(nn.Module):
+class MoELayer(ExpertParallelModule):
     """A mixture-of-experts FFN layer, optionally expert-parallel over ``ep_group``.
 
     Per token: ``y_t = sum_{k kept} probs[t, k] * expert_{indices[t, k]}(x_t) + shared(x_t)``, the k sum in fp32
@@ -128,32 +128,15 @@ class MoELayer(nn.Module):
             raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
         if not isinstance(replicated_tokens, bool):
             raise TypeError(f"replicated_tokens: expected a bool, got {type(replicated_tokens).__name__}")
-        ep, rank = (1, 0) if ep_group is None else (dist.get_world_size(ep_group), dist.get_rank(ep_group))
-        if E % ep:
-            raise ValueError(f"ep_group: expected a group size that divides num_experts = {E}, got {ep} ranks")
-        self.hidden_size, self.ffn_size, self.num_experts, self.top_k = H, ffn_size, E, top_k
-        self.ep_group, self.ep_size, self.ep_rank = ep_group, ep, rank
+        self._init_expert_parallel(E, ep_group)
+        self.hidden_size, self.ffn_size, self.top_k = H, ffn_size, top_k
         self.dispatcher, self.drop_policy, self.backend = dispatcher, drop_policy, backend
         self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
         self.replicated_tokens = replicated_tokens
         kw = {"device": device, "dtype": dtype}
         self.router = TopKRouter(H, E, top_k, **router_kwargs, **kw)
-        self.experts = GroupedExperts(E // ep, H, ffn_size, activation, **kw)
+        self.experts = GroupedExperts(E // self.ep_size, H, ffn_size, activation, **kw)
         self.shared = SharedExpert(H, Fs, **kw) if Fs else None
-        self._group_checked = ep == 1
-        # the group over whose batch the losses and MoEAux count (None: ep_group), the positions of the EP
-        # group's ranks in it, and the gradient scale of this rank's loss part: set by parallelize
-        self.batch_group, self._batch_rows, self.grad_scale = None, None, 1.0
-        if ep > 1:
-            _refuse_ddp_around_ep()
-        self.register_state_dict_post_hook(_experts_to_global)
-        self.register_load_state_dict_pre_hook(_experts_from_global)
-
-    @property
-    def local_experts(self) -> range:
-        """The global ids of the experts this rank holds."""
-        El = self.num_experts // self.ep_size
-        return range(self.ep_rank * El, (self.ep_rank + 1) * El)
 
     def extra_repr(self) -> str:
         return (f"ep={self.ep_size}, dispatcher={self.dispatcher!r}, capacity_factor={self.capacity_factor}, "
@@ -184,7 +167,7 @@ class MoELayer(nn.Module):
         wdt = next(self.experts.parameters()).dtype
         if x.dtype != wdt:
             raise TypeError(f"x: expected dtype {wdt} (the experts' weights), got {x.dtype}")
-        if self.ep_size > 1 and self.batch_group is None and _inside_ddp():
+        if self.ep_size > 1 and self.batch_group is None and inside_ddp():
             raise ValueError(
                 "model: expected no torch.nn.parallel.DistributedDataParallel around a MoELayer built with "
                 "ep_group, got one: DDP broadcasts rank 0's experts over the other ranks' and averages the "
@@ -253,98 +236,3 @@ class MoELayer(nn.Module):
                                       self.ep_group, self.backend)
         return gather_rows(y, self.ep_group, sizes), loss, sum(own.piece(1)[0]), plan.group_counts()
 
-
-def _ep_mesh(layer: MoELayer, device_type: str):
-    """A one-dimensional DeviceMesh over the layer's raw ``ep_group`` (built once)."""
-    mesh = getattr(layer, "_raw_ep_mesh", None)
-    if mesh is None:
-        from torch.distributed.device_mesh import DeviceMesh
-
-        mesh = DeviceMesh.from_group(layer.ep_group, device_type)
-        layer._raw_ep_mesh = mesh
-    return mesh
-
-
-def _expert_keys(layer: MoELayer, prefix: str):
-    return [(f"{prefix}experts.{n}", n) for n, _ in layer.experts.named_parameters(recurse=False)]
-
-
-def _experts_to_global(layer: MoELayer, state: dict, prefix: str, local_metadata) -> None:
-    """``state_dict`` of a layer built with a raw ``ep_group``: the local experts as DTensors of the global
-    shape ``[E, ...]`` (``Shard(0)`` over the group), so ``torch.distributed.checkpoint`` writes all E experts
-    once under their one-process keys instead of one rank's copy (docs/training.md, "Checkpoints")."""
-    if layer.ep_size == 1:
-        return
-    from torch.distributed.tensor import DTensor, Shard
-
-    for key, _ in _expert_keys(layer, prefix):
-        value = state.get(key)
-        if value is None or isinstance(value, DTensor):
-            continue
-        shape = (layer.num_experts, *value.shape[1:])
-        state[key] = DTensor.from_local(value, _ep_mesh(layer, value.device.type), [Shard(0)], run_check=False,
-                                        shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
-
-
-def _experts_from_global(layer: MoELayer, state: dict, prefix: str, local_metadata, strict, missing_keys,
-                         unexpected_keys, error_msgs) -> None:
-    """``load_state_dict`` of a layer built with a raw ``ep_group``: a DTensor or a one-process ``[E, ...]``
-    tensor of the experts becomes this rank's ``[E_l, ...]`` block; a local block loads as it is."""
-    if layer.ep_size == 1 or any(_is_dtensor(p) for p in layer.experts.parameters()):
-        return
-    r = layer.local_experts
-    for key, _ in _expert_keys(layer, prefix):
-        value = state.get(key)
-        if value is None:
-            continue
-        if _is_dtensor(value):
-            value = value.full_tensor()
-        if value.dim() >= 1 and value.shape[0] == layer.num_experts:
-            state[key] = value[r.start:r.stop]
-
-
-def _is_dtensor(t) -> bool:
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    return dtensor is not None and isinstance(t, dtensor.DTensor)
-
-
-def _inside_ddp() -> bool:
-    """Whether a DistributedDataParallel forward is running (DDP records its active module for this)."""
-    parallel = sys.modules.get("torch.nn.parallel.distributed")
-    active = getattr(getattr(parallel, "DistributedDataParallel", None), "_get_active_ddp_module", None)
-    return active is not None and active() is not None
-
-
-_DDP_HOOK = None
-
-
-def _refuse_ddp_around_ep() -> None:
-    """Register, once, the global module-registration hook :func:`_check_ddp_child` (torch's public
-    ``register_module_module_registration_hook``): DDP's constructor registers the model it wraps as its
-    submodule before it broadcasts rank 0's parameters, so the hook runs first."""
-    global _DDP_HOOK
-    if _DDP_HOOK is None:
-        _DDP_HOOK = nn.modules.module.register_module_module_registration_hook(_check_ddp_child)
-
-
-def _check_ddp_child(parent: nn.Module, name: str, child) -> None:
-    """Raise ``ValueError`` naming ``parallelize`` when a DistributedDataParallel takes a model holding an
-    expert-parallel :class:`MoELayer` (built with ``ep_group``, or parallelized): its broadcast would overwrite
-    other ranks' experts with rank 0's, its all-reduce average different experts' gradients."""
-    parallel = sys.modules.get("torch.nn.parallel.distributed")
-    ddp = getattr(parallel, "DistributedDataParallel", None)
-    if ddp is None or not isinstance(parent, ddp) or not isinstance(child, nn.Module):
-        return None
-    for m in child.modules():
-        if isinstance(m, MoELayer) and m.batch_group is not None:
-            raise ValueError(
-                "module: expected no MoELayer that sparseops.distributed.parallelize already spread over the "
-                "ranks inside torch.nn.parallel.DistributedDataParallel, got one: parallelize(..., "
-                "data_parallel='ddp') already gives the model DDP's gradient all-reduce")
-        if isinstance(m, MoELayer) and m.ep_size > 1:
-            raise ValueError(
-                "module: expected no MoELayer built with ep_group inside torch.nn.parallel."
-                "DistributedDataParallel, got one: DDP would broadcast rank 0's experts over the other ranks' "
-                "and average the gradients of different experts. Build the model without ep_group and call "
-                "sparseops.distributed.parallelize(model, ParallelDims(ep=...), data_parallel='ddp') instead")
-    return None
