@@ -15,8 +15,10 @@ VENV_LATEST := .venv-triton-latest
 # the Triton kernels on the CPU: the interpreter, exact fp32 dots; in their own pytest processes
 INTERPRET := TRITON_INTERPRET=1 TRITON_F32_DEFAULT=ieee
 TRITON_TESTS := tests/moe/test_triton_impl.py tests/nsa/test_triton_impl.py tests/nsa/test_triton_plan.py tests/nsa/test_triton_gather.py
+# the Triton kernels compiled for real GPUs without one (minutes while Triton's cache is cold, one compile at a time)
+FIT_TESTS := tests/nsa/test_triton_fit.py tests/nsa/test_triton_gather_fit.py tests/test_triton.py
 
-.PHONY: run test lint check bench peers peers-cpu clean
+.PHONY: run test test-fit test-interpret test-interpret-latest lint check bench peers peers-cpu clean
 
 # every pip call after the first torch install: no package may replace that torch (constraints.txt pins it)
 PIP = $(BIN)/python -m pip install -q -c constraints.txt
@@ -46,10 +48,20 @@ run: $(BIN)/.installed
 	$(BIN)/sparseops demo --quick
 	$(BIN)/sparseops bench --quick
 
+# ruff, the suite, then three single-threaded pytest processes side by side (the offline compiles and the
+# interpreter under both Triton versions), each one's output printed whole as it ends; any failure fails `test`
 test: $(BIN)/.installed $(VENV_LATEST)/.installed
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(addprefix --ignore=,$(FIT_TESTS))
+	$(MAKE) -j3 --output-sync=target --no-print-directory test-fit test-interpret test-interpret-latest
+
+test-fit: $(BIN)/.installed
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(FIT_TESTS)
+
+test-interpret: $(BIN)/.installed
 	$(INTERPRET) $(BIN)/python -m pytest -q -p no:cacheprovider $(TRITON_TESTS)
+
+test-interpret-latest: $(VENV_LATEST)/.installed
 	$(INTERPRET) PYTHONPATH=src $(VENV_LATEST)/bin/python -m pytest -q -p no:cacheprovider $(TRITON_TESTS)
 
 check: $(BIN)/.installed
