@@ -48,12 +48,13 @@ run: $(BIN)/.installed
 	$(BIN)/sparseops demo --quick
 	$(BIN)/sparseops bench --quick
 
-# ruff, the suite, then three single-threaded pytest processes side by side (the offline compiles and the
-# interpreter under both Triton versions), each one's output printed whole as it ends; any failure fails `test`
+# ruff, the suite, then three single-threaded pytest processes two at a time, one a core (the offline compiles
+# beside the interpreter under both Triton versions in turn), each one's output printed whole as it ends; any
+# failure fails `test`
 test: $(BIN)/.installed $(VENV_LATEST)/.installed
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest -q $(addprefix --ignore=,$(FIT_TESTS))
-	$(MAKE) -j3 --output-sync=target --no-print-directory test-fit test-interpret test-interpret-latest
+	$(MAKE) -j2 --output-sync=target --no-print-directory test-fit test-interpret test-interpret-latest
 
 test-fit: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(FIT_TESTS)
