@@ -277,9 +277,6 @@ def test_public_check_names():
     for name in ("check_permute_args", "check_unpermute_args", "check_unpermute_grad_args",
                  "check_permute_grad_args", "normalize_range", "check_num_experts"):
         assert callable(getattr(checks, name)), name
-    from sparseops.moe import api
-
-    assert api.check_permute_args is checks.check_permute_args  # the old import path, for one step
 
 
 def test_meta_tensors_skip_the_data_checks():

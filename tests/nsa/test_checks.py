@@ -134,10 +134,9 @@ def test_validate_false_skips_the_block_id_check_only():
 
 
 def test_public_check_names():
-    # the CANN layer reuses these instead of a copy of its own; nsa.api keeps the old private name for one step
-    from sparseops.nsa import api, checks
+    # the CANN layer reuses these instead of a copy of its own
+    from sparseops.nsa import checks
 
-    assert api._check_args is checks.check_args and api.check_args is checks.check_args
     a = _base()
     got = checks.check_args(a["query"], a["key"], a["value"], a["topk_indices"], a["scale_value"], a["head_num"],
                             a["selected_block_size"], a["selected_block_count"], None, a["actual_seq_qlen"],

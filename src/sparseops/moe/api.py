@@ -27,15 +27,12 @@ import torch
 from .. import _autograd, _backend
 from .._checks import check_same_device
 from . import reference, torch_impl
-from .checks import (  # noqa: F401  (the old import path of the checks, kept for one step)
-    K_MAX,
-    TOKEN_DTYPES,
+from .checks import (
     RangeLike,
     check_permute_args,
     check_permute_grad_args,
     check_unpermute_args,
     check_unpermute_grad_args,
-    normalize_range,
 )
 
 #: the family's backends for the dispatcher (:mod:`sparseops._backend`)

@@ -18,18 +18,7 @@ import torch
 from .. import _autograd, _backend, _triton
 from .._config import resolve_deterministic
 from . import reference, torch_impl
-from .checks import (  # noqa: F401  (the old import path of the checks, kept for one step)
-    DTYPES,
-    MAX_HEAD_DIM,
-    STAT_LANES,
-    SeqLens,
-    check_args,
-    check_block_ids,
-    stats_dtype,
-)
-
-#: the old private name of :func:`.checks.check_args`, kept for one step (``aclnn`` imports it)
-_check_args = check_args
+from .checks import STAT_LANES, SeqLens, check_args, stats_dtype
 
 #: the family's backends for the dispatcher (:mod:`sparseops._backend`); float64 is a testing dtype: torch
 FAMILY = _backend.Family("nsa", ("forward", "backward"), reference, torch_impl, "sparseops.nsa.triton_impl",

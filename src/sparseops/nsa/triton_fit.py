@@ -2,8 +2,8 @@
 
 ``compile_report`` compiles every launch of the forward and of the three backward variants for ``sm_<arch>``
 (``_triton.offline_compile``: Triton's bundled ``ptxas``, nothing run) and reads each kernel's shared memory,
-registers and spills. It checks the shape like the public op first, so it lives beside the backend rather than
-in it (a backend never imports the public layer).
+registers and spills. It checks the shape with the public op's own checks (``checks.check_args``) first, so it
+lives beside the backend rather than in it (a backend never validates).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .. import _checks, _triton
-from . import api, triton_impl
+from . import checks, triton_impl
 
 
 def compile_report(arch: int, *, G: int, N2: int = 1, Dqk: int, Dv: int, bs: int, K: int,
@@ -45,7 +45,7 @@ def compile_report(arch: int, *, G: int, N2: int = 1, Dqk: int, Dv: int, bs: int
     v = torch.zeros(T, N2, Dv, dtype=dtype)
     topk = torch.zeros(T, N2, K, dtype=torch.int32)
     cum = [seqs[0], T]
-    scale, bs, cu_q, cu_kv, causal, _ = api._check_args(
+    scale, bs, cu_q, cu_kv, causal, _ = checks.check_args(
         q, k, v, topk, 1.0, N2 * G, bs, K, None, cum, cum, 2 if causal else 0, "TND", True)
     out = torch.zeros(T, N2 * G, Dv, dtype=dtype)
     m, l = torch.zeros(T, N2 * G), torch.ones(T, N2 * G)
