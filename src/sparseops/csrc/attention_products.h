@@ -85,17 +85,16 @@ void row_scores(const typename Vec<T>::type* xT, int64_t D, const T* base, const
   }
 }
 
-// outT[d] (+)= sum_j p[j] * src_j[d], d < Dv (the rows as in row_scores; add when `add`, else overwrite).
+// outT[d] += sum_j p[j] * src_j[d], d < Dv (the rows as in row_scores).
 template <typename T>
 void row_combine(const typename Vec<T>::type* p, const T* base, const int64_t* rows, int64_t n, int64_t ld,
-                 int64_t Dv, typename Vec<T>::type* outT, bool add) {
+                 int64_t Dv, typename Vec<T>::type* outT) {
   typedef typename Vec<T>::type V;
   constexpr int B = 16;
   int64_t d0 = 0;
   for (; d0 + B <= Dv; d0 += B) {
-    V a[B] = {};
-    if (add)
-      for (int i = 0; i < B; ++i) a[i] = outT[d0 + i];
+    V a[B];
+    for (int i = 0; i < B; ++i) a[i] = outT[d0 + i];
     for (int64_t j = 0; j < n; ++j) {
       if (d0 == 0 && j + 8 < n) prefetch_row(base + rows[j + 8] * ld, Dv);  // the first pass meets each row first
       const V pj = p[j];
@@ -106,7 +105,7 @@ void row_combine(const typename Vec<T>::type* p, const T* base, const int64_t* r
     for (int i = 0; i < B; ++i) outT[d0 + i] = a[i];
   }
   for (; d0 < Dv; ++d0) {
-    V a = add ? outT[d0] : V{};
+    V a = outT[d0];
     for (int64_t j = 0; j < n; ++j) a += p[j] * base[rows[j] * ld + d0];
     outT[d0] = a;
   }

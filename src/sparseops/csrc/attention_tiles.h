@@ -211,7 +211,7 @@ template <typename T> void forward_tiles(const Args<T>& a, T* out, T* m, T* l, T
     for (const Unit& u : sc.units) {  // P V
       const int64_t* rows = sc.pool.data() + u.r0;
       if (u.b < 0)
-        row_combine<T>(s + u.a * KB + u.a_off, a.v, rows, u.n, a.Dv, a.Dv, sc.oT.data() + u.a * Do, true);
+        row_combine<T>(s + u.a * KB + u.a_off, a.v, rows, u.n, a.Dv, a.Dv, sc.oT.data() + u.a * Do);
       else
         row_combine2<T>(s + u.a * KB + u.a_off, s + u.b * KB + u.b_off, a.v, rows, u.n, a.Dv, a.Dv,
                         sc.oT.data() + u.a * Do, sc.oT.data() + u.b * Do);
@@ -285,7 +285,7 @@ void backward_tiles(const Args<T>& a, const T* dout, const T* lse, const T* out,
           db[c][j] = (db[c][j] - sc.dl[tk[c]]) * pb[c][j];
         }
       if (nt == 1) {
-        row_combine<T>(db[0], a.k, rows, n, a.D, a.D, sc.oT.data() + tk[0] * Do, true);
+        row_combine<T>(db[0], a.k, rows, n, a.D, a.D, sc.oT.data() + tk[0] * Do);
         row_scatter<T>(db[0], sc.qN.data() + tk[0] * WD, h.Gh, a.D, dkt, rows, n);
         row_scatter<T>(pb[0], sc.yN.data() + tk[0] * WDv, h.Gh, a.Dv, dvt, rows, n);
       } else {
