@@ -70,6 +70,13 @@ def test_version_is_a_string():
     assert sparseops.__version__.count(".") >= 1
 
 
+def _fresh_python(code: str, drop_env: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``code`` in a new interpreter with this checkout's src/ first on the path (``drop_env``: unset there)."""
+    env = {k: v for k, v in os.environ.items() if k not in drop_env}
+    env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+
+
 def test_import_does_not_import_triton_or_dynamo():
     """Nothing heavy at import time: triton (a GPU stack) and torch._dynamo (seconds; the compiled CPU kernels
     import it on first use)."""
@@ -79,10 +86,7 @@ def test_import_does_not_import_triton_or_dynamo():
         "print(repr(bad))\n"
         "sys.exit(1 if bad else 0)\n"
     )
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    r = _fresh_python(code, drop_env=("TRITON_INTERPRET",))
     assert r.returncode == 0, f"importing sparseops imported triton or torch._dynamo: {r.stdout} {r.stderr}"
 
 
@@ -99,9 +103,7 @@ def test_lower_layers_import_no_higher_one(lower, higher):
         "print(repr(bad))\n"
         "sys.exit(1 if bad else 0)\n"
     )
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    r = _fresh_python(code)
     assert r.returncode == 0, f"importing {lower} imported {r.stdout.strip()} {r.stderr[-500:]}"
 
 

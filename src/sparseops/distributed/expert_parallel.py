@@ -118,10 +118,14 @@ def _experts_from_global(layer: ExpertParallelModule, state: dict, prefix: str, 
             state[key] = value[r.start:r.stop]
 
 
+def _ddp_class():
+    """``DistributedDataParallel`` where its module is imported, else None (a model without it holds none)."""
+    return getattr(sys.modules.get("torch.nn.parallel.distributed"), "DistributedDataParallel", None)
+
+
 def inside_ddp() -> bool:
     """Whether a DistributedDataParallel forward is running (DDP records its active module for this)."""
-    parallel = sys.modules.get("torch.nn.parallel.distributed")
-    active = getattr(getattr(parallel, "DistributedDataParallel", None), "_get_active_ddp_module", None)
+    active = getattr(_ddp_class(), "_get_active_ddp_module", None)
     return active is not None and active() is not None
 
 
@@ -141,8 +145,7 @@ def _check_ddp_child(parent: nn.Module, name: str, child) -> None:
     """Raise ``ValueError`` naming ``parallelize`` when a DistributedDataParallel takes a model holding an
     expert-parallel layer (built with ``ep_group``, or parallelized): its broadcast would overwrite other
     ranks' experts with rank 0's, its all-reduce average different experts' gradients."""
-    parallel = sys.modules.get("torch.nn.parallel.distributed")
-    ddp = getattr(parallel, "DistributedDataParallel", None)
+    ddp = _ddp_class()
     if ddp is None or not isinstance(parent, ddp) or not isinstance(child, nn.Module):
         return None
     for m in child.modules():
