@@ -63,12 +63,10 @@ template <typename T>
 void load_heads(const T* src, int64_t t, int64_t N1, int64_t D, const Heads<T>& h, typename Vec<T>::type* xT,
                 T* N, T mul) {
   const T* base = src + (t * N1 + h.h0) * D;
-  for (int64_t d = 0; d < D; ++d) xT[d] = typename Vec<T>::type{};
-  for (int64_t l = 0; l < h.Gh; ++l)
-    for (int64_t d = 0; d < D; ++d) xT[d][l] = base[l * D + d] * mul;
+  sparseops_simd::rows_to_lanes<T>(base, h.Gh, D, D, mul, xT);
   if (N != nullptr) {
-    std::fill(N, N + Vec<T>::W * D, T(0));
     for (int64_t i = 0; i < h.Gh * D; ++i) N[i] = base[i] * mul;
+    std::fill(N + h.Gh * D, N + Vec<T>::W * D, T(0));
   }
 }
 

@@ -231,8 +231,8 @@ template <typename T> void forward_tiles(const Args<T>& a, T* out, T* m, T* l, T
       }
       T* o = out + (t * a.N1 + h.h0) * a.Dv;
       const V* oT = sc.oT.data() + i * Do;
+      sparseops_simd::lanes_to_rows<T>(oT, h.Gh, a.Dv, inv, o, a.Dv);
       for (int64_t lane = 0; lane < h.Gh; ++lane) {
-        for (int64_t d = 0; d < a.Dv; ++d) o[lane * a.Dv + d] = oT[d][lane] * inv[lane];
         m[t * a.N1 + h.h0 + lane] = sc.mx[i][lane];
         l[t * a.N1 + h.h0 + lane] = sum[lane];
       }
@@ -298,8 +298,7 @@ void backward_tiles(const Args<T>& a, const T* dout, const T* lse, const T* out,
     for (int64_t i = 0; i < t1 - t0; ++i) {
       T* g = dq + ((t0 + i) * a.N1 + h.h0) * a.D;
       const V* oT = sc.oT.data() + i * Do;
-      for (int64_t lane = 0; lane < h.Gh; ++lane)
-        for (int64_t d = 0; d < a.D; ++d) g[lane * a.D + d] = oT[d][lane] * scale;
+      sparseops_simd::lanes_to_rows<T>(oT, h.Gh, a.D, V{} + scale, g, a.D);
     }
   });
 }

@@ -10,7 +10,12 @@
 #include <cstdint>
 #include <cstring>
 #include <thread>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace sparseops_simd {
 
@@ -49,6 +54,76 @@ inline Vec<float>::type vexp(Vec<float>::type x) {
   std::memcpy(&scale, &e, sizeof(scale));
   return y * scale;
 }
+#if defined(__AVX512F__)
+// r[i][j] <- r[j][i] for a 16 x 16 fp32 block in 16 registers: 64 shuffles (within 128-bit lanes, then across them).
+inline void transpose16(__m512 (&r)[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 16; g += 4) {  // u[g + c], 128-bit lane k: rows g .. g + 3 at column 4k + c
+    u[g] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[g]), _mm512_castps_pd(t[g + 2])));
+    u[g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[g]), _mm512_castps_pd(t[g + 2])));
+    u[g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[g + 1]), _mm512_castps_pd(t[g + 3])));
+    u[g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[g + 1]), _mm512_castps_pd(t[g + 3])));
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512 x0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88), x1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xdd);
+    const __m512 y0 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512 y1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xdd);
+    r[c] = _mm512_shuffle_f32x4(x0, y0, 0x88);
+    r[4 + c] = _mm512_shuffle_f32x4(x1, y1, 0x88);
+    r[8 + c] = _mm512_shuffle_f32x4(x0, y0, 0xdd);
+    r[12 + c] = _mm512_shuffle_f32x4(x1, y1, 0xdd);
+  }
+}
+#endif
+
+// cols[d][l] = mul * src[l * ld + d] for the n <= W rows l (0 on the other lanes), d < D: rows into vector lanes
+// (the kernels' heads in lanes), by 16 x 16 register transposes where the CPU has AVX-512.
+template <typename T>
+void rows_to_lanes(const T* src, int64_t n, int64_t D, int64_t ld, T mul, typename Vec<T>::type* cols) {
+  typedef typename Vec<T>::type V;
+  int64_t d0 = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    const __m512 m = _mm512_set1_ps(mul);
+    for (; d0 + 16 <= D; d0 += 16) {
+      __m512 r[16];
+      for (int l = 0; l < 16; ++l)
+        r[l] = l < n ? _mm512_mul_ps(_mm512_loadu_ps(src + l * ld + d0), m) : _mm512_setzero_ps();
+      transpose16(r);
+      for (int i = 0; i < 16; ++i) cols[d0 + i] = V(r[i]);
+    }
+  }
+#endif
+  for (; d0 < D; ++d0) {
+    V c{};
+    for (int64_t l = 0; l < n; ++l) c[l] = src[l * ld + d0] * mul;
+    cols[d0] = c;
+  }
+}
+
+// dst[l * ld + d] = cols[d][l] * mul[l] for the n <= W rows l, d < D: the reverse of rows_to_lanes.
+template <typename T>
+void lanes_to_rows(const typename Vec<T>::type* cols, int64_t n, int64_t D, typename Vec<T>::type mul, T* dst,
+                   int64_t ld) {
+  int64_t d0 = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    for (; d0 + 16 <= D; d0 += 16) {
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) r[i] = __m512(cols[d0 + i]);
+      transpose16(r);
+      for (int l = 0; l < n; ++l) _mm512_storeu_ps(dst + l * ld + d0, _mm512_mul_ps(r[l], _mm512_set1_ps(mul[l])));
+    }
+  }
+#endif
+  for (int64_t l = 0; l < n; ++l)
+    for (int64_t d = d0; d < D; ++d) dst[l * ld + d] = cols[d][l] * mul[l];
+}
+
 // float64 is the testing dtype: the library's exp, lane by lane.
 inline Vec<double>::type vexp(Vec<double>::type x) {
   for (int i = 0; i < Vec<double>::W; ++i) x[i] = std::exp(x[i]);
