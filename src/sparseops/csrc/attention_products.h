@@ -52,39 +52,6 @@ typename Vec<T>::type softmax_terms(typename Vec<T>::type* s, int64_t n, T floor
   return sum;
 }
 
-// s[j] = sum_d xT[d] * src_j[d] for the n rows src_j = base + rows[j] * ld (length D).
-template <typename T>
-void row_scores(const typename Vec<T>::type* xT, int64_t D, const T* base, const int64_t* rows, int64_t n,
-                int64_t ld, typename Vec<T>::type* s) {
-  typedef typename Vec<T>::type V;
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const T* r[8];
-    for (int i = 0; i < 8; ++i) r[i] = base + rows[j + i] * ld;
-    for (int64_t i = j + 8; i < std::min(n, j + 16); ++i) prefetch_row(base + rows[i] * ld, D);
-    V a0{}, a1{}, a2{}, a3{}, a4{}, a5{}, a6{}, a7{};
-    for (int64_t d = 0; d < D; ++d) {
-      const V x = xT[d];
-      a0 += x * r[0][d];
-      a1 += x * r[1][d];
-      a2 += x * r[2][d];
-      a3 += x * r[3][d];
-      a4 += x * r[4][d];
-      a5 += x * r[5][d];
-      a6 += x * r[6][d];
-      a7 += x * r[7][d];
-    }
-    s[j] = a0; s[j + 1] = a1; s[j + 2] = a2; s[j + 3] = a3;
-    s[j + 4] = a4; s[j + 5] = a5; s[j + 6] = a6; s[j + 7] = a7;
-  }
-  for (; j < n; ++j) {
-    const T* r = base + rows[j] * ld;
-    V a{};
-    for (int64_t d = 0; d < D; ++d) a += xT[d] * r[d];
-    s[j] = a;
-  }
-}
-
 // outT[d] += sum_j p[j] * src_j[d], d < Dv (the rows as in row_scores).
 template <typename T>
 void row_combine(const typename Vec<T>::type* p, const T* base, const int64_t* rows, int64_t n, int64_t ld,
@@ -203,44 +170,56 @@ void row_scatter(const typename Vec<T>::type* x, const T* A, int64_t Gh, int64_t
   row_scatter_keys<T>(x + j, A, Gh, D, dst, rows + j, n - j, x1 != nullptr ? x1 + j : nullptr, A1);
 }
 
-// s0[j] = sum_d x0T[d] * src_j[d] and s1[j] the same of x1T, for R rows from j (rows as in row_scores): R x 2
-// accumulators, each loaded key element broadcast once for both tokens.
-template <typename T, int R>
-inline void scores2_rows(const typename Vec<T>::type* x0, const typename Vec<T>::type* x1, int64_t D, const T* base,
-                         const int64_t* rows, int64_t ld, typename Vec<T>::type* s0, typename Vec<T>::type* s1) {
+// s[c][i] = sum_d x[c][d] * src_i[d] for the NT tokens x[c] (1 or 2) and the R rows src_i = base + rows[i] * ld
+// (length D): R x NT accumulators, each loaded key element broadcast once for every token.
+template <typename T, int NT, int R>
+inline void scores_rows(const typename Vec<T>::type* const (&x)[NT], int64_t D, const T* base, const int64_t* rows,
+                        int64_t ld, typename Vec<T>::type* const (&s)[NT], int64_t j) {
   typedef typename Vec<T>::type V;
   const T* r[R];
-  for (int i = 0; i < R; ++i) r[i] = base + rows[i] * ld;
-  V a[R] = {}, b[R] = {};
+  for (int i = 0; i < R; ++i) r[i] = base + rows[j + i] * ld;
+  V a[NT][R] = {};
   for (int64_t d = 0; d < D; ++d) {
-    const V u = x0[d], w = x1[d];
+    V u[NT];
+    for (int c = 0; c < NT; ++c) u[c] = x[c][d];
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       const T kd = r[i][d];
-      a[i] += u * kd;
-      b[i] += w * kd;
+      for (int c = 0; c < NT; ++c) a[c][i] += u[c] * kd;
     }
   }
-  for (int i = 0; i < R; ++i) {
-    s0[i] = a[i];
-    s1[i] = b[i];
-  }
+  for (int c = 0; c < NT; ++c)
+    for (int i = 0; i < R; ++i) s[c][j + i] = a[c][i];
 }
 
-// Two tokens' scores over the same n rows: s0 of x0T, s1 of x1T (as row_scores), by 8, then 4, then 1 rows.
-template <typename T>
-void row_scores2(const typename Vec<T>::type* x0, const typename Vec<T>::type* x1, int64_t D, const T* base,
-                 const int64_t* rows, int64_t n, int64_t ld, typename Vec<T>::type* s0, typename Vec<T>::type* s1) {
+// The NT tokens' scores over the same n rows (as scores_rows), by 8 rows (the next 8 prefetched), then 4, then 1.
+template <typename T, int NT>
+void scores_by_rows(const typename Vec<T>::type* const (&x)[NT], int64_t D, const T* base, const int64_t* rows,
+                    int64_t n, int64_t ld, typename Vec<T>::type* const (&s)[NT]) {
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
     for (int64_t i = j + 8; i < std::min(n, j + 16); ++i) prefetch_row(base + rows[i] * ld, D);
-    scores2_rows<T, 8>(x0, x1, D, base, rows + j, ld, s0 + j, s1 + j);
+    scores_rows<T, NT, 8>(x, D, base, rows, ld, s, j);
   }
   if (j + 4 <= n) {
-    scores2_rows<T, 4>(x0, x1, D, base, rows + j, ld, s0 + j, s1 + j);
+    scores_rows<T, NT, 4>(x, D, base, rows, ld, s, j);
     j += 4;
   }
-  for (; j < n; ++j) scores2_rows<T, 1>(x0, x1, D, base, rows + j, ld, s0 + j, s1 + j);
+  for (; j < n; ++j) scores_rows<T, NT, 1>(x, D, base, rows, ld, s, j);
+}
+
+// s[j] = sum_d xT[d] * src_j[d] for the n rows src_j = base + rows[j] * ld (length D).
+template <typename T>
+void row_scores(const typename Vec<T>::type* xT, int64_t D, const T* base, const int64_t* rows, int64_t n,
+                int64_t ld, typename Vec<T>::type* s) {
+  scores_by_rows<T, 1>({xT}, D, base, rows, n, ld, {s});
+}
+
+// Two tokens' scores over the same n rows: s0 of x0T, s1 of x1T (as row_scores); each loaded key element serves both.
+template <typename T>
+void row_scores2(const typename Vec<T>::type* x0, const typename Vec<T>::type* x1, int64_t D, const T* base,
+                 const int64_t* rows, int64_t n, int64_t ld, typename Vec<T>::type* s0, typename Vec<T>::type* s1) {
+  scores_by_rows<T, 2>({x0, x1}, D, base, rows, n, ld, {s0, s1});
 }
 
 // o0T[d] += sum_j p0[j] * src_j[d] and o1T[d] += the same of p1, d < Dv: two tokens' products over the same n rows
