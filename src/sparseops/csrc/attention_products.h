@@ -52,32 +52,6 @@ typename Vec<T>::type softmax_terms(typename Vec<T>::type* s, int64_t n, T floor
   return sum;
 }
 
-// outT[d] += sum_j p[j] * src_j[d], d < Dv (the rows as in row_scores).
-template <typename T>
-void row_combine(const typename Vec<T>::type* p, const T* base, const int64_t* rows, int64_t n, int64_t ld,
-                 int64_t Dv, typename Vec<T>::type* outT) {
-  typedef typename Vec<T>::type V;
-  constexpr int B = 16;
-  int64_t d0 = 0;
-  for (; d0 + B <= Dv; d0 += B) {
-    V a[B];
-    for (int i = 0; i < B; ++i) a[i] = outT[d0 + i];
-    for (int64_t j = 0; j < n; ++j) {
-      if (d0 == 0 && j + 8 < n) prefetch_row(base + rows[j + 8] * ld, Dv);  // the first pass meets each row first
-      const V pj = p[j];
-      const T* r = base + rows[j] * ld + d0;
-#pragma GCC unroll 16
-      for (int i = 0; i < B; ++i) a[i] += pj * r[i];
-    }
-    for (int i = 0; i < B; ++i) outT[d0 + i] = a[i];
-  }
-  for (; d0 < Dv; ++d0) {
-    V a = outT[d0];
-    for (int64_t j = 0; j < n; ++j) a += p[j] * base[rows[j] * ld + d0];
-    outT[d0] = a;
-  }
-}
-
 // o[d] += sum_{h < Gh} xs[h] * A[h, d] for d in [d0, D), plus the same of ys and A1 when ys is given: one key row's
 // update of row_scatter, without tiles.
 template <typename T>
@@ -222,47 +196,56 @@ void row_scores2(const typename Vec<T>::type* x0, const typename Vec<T>::type* x
   scores_by_rows<T, 2>({x0, x1}, D, base, rows, n, ld, {s0, s1});
 }
 
-// o0T[d] += sum_j p0[j] * src_j[d] and o1T[d] += the same of p1, d < Dv: two tokens' products over the same n rows
-// (as in row_combine), by slices of 8 d x 2 tokens.
+// o[c][d] += sum_j p[c][j] * src_j[d], d < Dv, for the NT tokens c (1 or 2) over the same n rows (as in scores_rows):
+// by slices of 16 / NT values of d (16 accumulators in registers), each loaded value element serving every token.
+template <typename T, int NT>
+void combine_rows(const typename Vec<T>::type* const (&p)[NT], const T* base, const int64_t* rows, int64_t n,
+                  int64_t ld, int64_t Dv, typename Vec<T>::type* const (&o)[NT]) {
+  typedef typename Vec<T>::type V;
+  constexpr int B = 16 / NT;
+  int64_t d0 = 0;
+  for (; d0 + B <= Dv; d0 += B) {
+    V a[NT][B];
+    for (int c = 0; c < NT; ++c)
+      for (int i = 0; i < B; ++i) a[c][i] = o[c][d0 + i];
+    for (int64_t j = 0; j < n; ++j) {
+      if (d0 == 0 && j + 8 < n) prefetch_row(base + rows[j + 8] * ld, Dv);  // the first pass meets each row first
+      V u[NT];
+      for (int c = 0; c < NT; ++c) u[c] = p[c][j];
+      const T* r = base + rows[j] * ld + d0;
+#pragma GCC unroll 16
+      for (int i = 0; i < B; ++i) {
+        const T x = r[i];
+        for (int c = 0; c < NT; ++c) a[c][i] += u[c] * x;
+      }
+    }
+    for (int c = 0; c < NT; ++c)
+      for (int i = 0; i < B; ++i) o[c][d0 + i] = a[c][i];
+  }
+  for (; d0 < Dv; ++d0) {
+    V a[NT];
+    for (int c = 0; c < NT; ++c) a[c] = o[c][d0];
+    for (int64_t j = 0; j < n; ++j) {
+      const T x = base[rows[j] * ld + d0];
+      for (int c = 0; c < NT; ++c) a[c] += p[c][j] * x;
+    }
+    for (int c = 0; c < NT; ++c) o[c][d0] = a[c];
+  }
+}
+
+// outT[d] += sum_j p[j] * src_j[d], d < Dv (the rows as in row_scores).
+template <typename T>
+void row_combine(const typename Vec<T>::type* p, const T* base, const int64_t* rows, int64_t n, int64_t ld,
+                 int64_t Dv, typename Vec<T>::type* outT) {
+  combine_rows<T, 1>({p}, base, rows, n, ld, Dv, {outT});
+}
+
+// o0T[d] += sum_j p0[j] * src_j[d] and o1T[d] += the same of p1: two tokens' products over the same n rows.
 template <typename T>
 void row_combine2(const typename Vec<T>::type* p0, const typename Vec<T>::type* p1, const T* base,
                   const int64_t* rows, int64_t n, int64_t ld, int64_t Dv, typename Vec<T>::type* o0,
                   typename Vec<T>::type* o1) {
-  typedef typename Vec<T>::type V;
-  constexpr int B = 8;
-  int64_t d0 = 0;
-  for (; d0 + B <= Dv; d0 += B) {
-    V a[B], b[B];
-    for (int i = 0; i < B; ++i) {
-      a[i] = o0[d0 + i];
-      b[i] = o1[d0 + i];
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      if (d0 == 0 && j + 8 < n) prefetch_row(base + rows[j + 8] * ld, Dv);  // the first pass meets each row first
-      const V u = p0[j], w = p1[j];
-      const T* r = base + rows[j] * ld + d0;
-#pragma GCC unroll 8
-      for (int i = 0; i < B; ++i) {
-        const T x = r[i];
-        a[i] += u * x;
-        b[i] += w * x;
-      }
-    }
-    for (int i = 0; i < B; ++i) {
-      o0[d0 + i] = a[i];
-      o1[d0 + i] = b[i];
-    }
-  }
-  for (; d0 < Dv; ++d0) {
-    V a = o0[d0], b = o1[d0];
-    for (int64_t j = 0; j < n; ++j) {
-      const T x = base[rows[j] * ld + d0];
-      a += p0[j] * x;
-      b += p1[j] * x;
-    }
-    o0[d0] = a;
-    o1[d0] = b;
-  }
+  combine_rows<T, 2>({p0, p1}, base, rows, n, ld, Dv, {o0, o1});
 }
 
 // sum_d x[d] * y[d]: W partial sums, then a tree
