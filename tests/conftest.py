@@ -3,9 +3,31 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def fresh_python():
+    """``fresh_python(code, drop_env=(), **env)``: ``code`` run by a new interpreter in the checkout's root, with its
+    src/ first on the path, the variables ``drop_env`` unset and ``env`` set; the ``CompletedProcess`` (text output
+    captured, 120 s timeout)."""
+
+    def run(code: str, drop_env: tuple[str, ...] = (), **env: str) -> subprocess.CompletedProcess:
+        full = {k: v for k, v in os.environ.items() if k not in drop_env}
+        full["PYTHONPATH"] = str(REPO / "src") + os.pathsep + full.get("PYTHONPATH", "")
+        full.update(env)
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, cwd=REPO,
+                              timeout=120)
+
+    return run
 
 
 @pytest.fixture

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -59,21 +56,12 @@ def _program(blocks: list[tuple[str | None, int, str]]) -> str:
     return f"ns = {{}}\nfor name, code in {parts!r}:\n    exec(compile(code, name, 'exec'), ns)\n"
 
 
-def _fresh_python(code: str) -> subprocess.CompletedProcess:
-    """``code`` in a new interpreter in the checkout's root with its src/ first on the path."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
-    # the fused CPU kernels compile on first use (seconds; tests/moe covers them); the example checks the API
-    env["SPARSEOPS_COMPILE"] = "0"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO,
-                          timeout=120)
-
-
-def test_readme_python_blocks_run():
+def test_readme_python_blocks_run(fresh_python):
     blocks = _python_blocks()
     headings = {heading for heading, _, _ in blocks}
     assert "Example" in headings, f"README.md: no ```python block under '## Example' (blocks under {headings})"
     assert set(FRAGMENTS) <= headings, f"README.md: no ```python block under {set(FRAGMENTS) - headings}"
-    r = _fresh_python(_program(blocks))
+    # the fused CPU kernels compile on first use (seconds; tests/moe covers them); the example checks the API
+    r = fresh_python(_program(blocks), SPARSEOPS_COMPILE="0")
     if r.returncode != 0:
         pytest.fail(f"a python block of README.md fails:\n{r.stderr[-3000:]}", pytrace=False)

@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 import inspect
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import sparseops
 from sparseops import testing
-
-REPO = Path(__file__).resolve().parents[1]
 
 #: the fixed public signatures (CANN parameter names in snake_case), positional-or-keyword then keyword-only
 SIGNATURES = {
@@ -70,14 +64,7 @@ def test_version_is_a_string():
     assert sparseops.__version__.count(".") >= 1
 
 
-def _fresh_python(code: str, drop_env: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    """``code`` in a new interpreter with this checkout's src/ first on the path (``drop_env``: unset there)."""
-    env = {k: v for k, v in os.environ.items() if k not in drop_env}
-    env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-
-
-def test_import_does_not_import_triton_or_dynamo():
+def test_import_does_not_import_triton_or_dynamo(fresh_python):
     """Nothing heavy at import time: triton (a GPU stack) and torch._dynamo (seconds; the compiled CPU kernels
     import it on first use)."""
     code = (
@@ -86,7 +73,7 @@ def test_import_does_not_import_triton_or_dynamo():
         "print(repr(bad))\n"
         "sys.exit(1 if bad else 0)\n"
     )
-    r = _fresh_python(code, drop_env=("TRITON_INTERPRET",))
+    r = fresh_python(code, drop_env=("TRITON_INTERPRET",))
     assert r.returncode == 0, f"importing sparseops imported triton or torch._dynamo: {r.stdout} {r.stderr}"
 
 
@@ -94,7 +81,7 @@ def test_import_does_not_import_triton_or_dynamo():
     ("sparseops._backend", ("sparseops.moe", "sparseops.nsa")),  # each family hands the dispatcher its FAMILY
     ("sparseops.distributed.parallel, sparseops.distributed.checkpoint", ("sparseops.nn",)),
 ])
-def test_lower_layers_import_no_higher_one(lower, higher):
+def test_lower_layers_import_no_higher_one(lower, higher, fresh_python):
     """The layering of docs/internals.md: the dispatcher knows no op family, parallelize and the checkpoint
     helpers know no layer (they work with distributed.expert_parallel.ExpertParallelModule)."""
     code = (
@@ -103,7 +90,7 @@ def test_lower_layers_import_no_higher_one(lower, higher):
         "print(repr(bad))\n"
         "sys.exit(1 if bad else 0)\n"
     )
-    r = _fresh_python(code)
+    r = fresh_python(code)
     assert r.returncode == 0, f"importing {lower} imported {r.stdout.strip()} {r.stderr[-500:]}"
 
 
