@@ -126,6 +126,18 @@ def spread_table(path: Path, keys: tuple[str, ...], metrics: tuple[str, ...]) ->
     return "\n".join(lines)
 
 
+def answer_report(args: argparse.Namespace, name: str, table: Callable[[dict], str], keys: tuple[str, ...],
+                  metrics: tuple[str, ...]) -> bool:
+    """``--report`` (``table`` of the last record of ``<name>.json``) or ``--spread`` (``spread_table`` over ``keys``
+    and ``metrics``), printed; whether either was asked for."""
+    path = report_dir(args) / f"{name}.json"
+    if args.report:
+        print(table(last_record(path)))
+    elif args.spread:
+        print(spread_table(path, keys, metrics))
+    return bool(args.report or args.spread)
+
+
 def profile_table(fn: Callable[[], object], *, row_limit: int = 15) -> str:
     """torch.profiler's operator table (self CPU time) for a few calls of ``fn`` after one warm-up."""
     from torch.profiler import ProfilerActivity, profile
@@ -341,6 +353,23 @@ def plot_panels(
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def op_floors(*, quick: bool, smoke: bool) -> dict:
+    """The op benchmarks' floors: copy bandwidth and matmul rates, sized by the mode."""
+    if smoke:
+        return measure_floors(copy_mb=16, matmul_n=256, budget_s=0.05)
+    return measure_floors(copy_mb=256 if quick else 512, budget_s=0.3 if quick else 1.0)
+
+
+def goal_cell(row: dict, key: str) -> str:
+    """``met`` / ``missed``, or ``—`` when the row has no number for that goal (the peer did not run)."""
+    return "—" if key not in row else ("met" if row[key] else "missed")
+
+
+def table_preamble(record: dict) -> list[str]:
+    """The lines above a run's table: the environment, then the floors."""
+    return [env_line(record["env"]), "", floors_line(record["floors"]), ""]
 
 
 def gate_line(gate: list[dict]) -> str:

@@ -265,8 +265,7 @@ def run(quick: bool = False, smoke: bool = False, out: Path | str | None = None,
         with st.step("correctness gate: ours against the float64 reference"):
             gate = gate_reference()
         with st.step("floors: copy bandwidth and matmul rates"):
-            floors = C.measure_floors(copy_mb=16, matmul_n=256, budget_s=0.05) if smoke else C.measure_floors(
-                copy_mb=256 if quick else 512, budget_s=0.3 if quick else 1.0)
+            floors = C.op_floors(quick=quick, smoke=smoke)
         unpermute, why = (None, "skipped (--smoke / --no-peers)")
         if use_peer:
             with st.step("peer: import megatron-core's unpermute"):
@@ -287,20 +286,9 @@ def run(quick: bool = False, smoke: bool = False, out: Path | str | None = None,
                       floors=floors, gate=gate, peers=peer_info, duration_s=time.perf_counter() - t0)
 
 
-def _goal(row: dict, key: str) -> str:
-    """``met`` / ``missed``, or ``—`` when the row has no number for that goal (the peer did not run)."""
-    return "—" if key not in row else ("met" if row[key] else "missed")
-
-
 def markdown_table(record: dict) -> str:
     """The run as Markdown: the floors, then one table row per configuration."""
-    f, env = record["floors"], record["env"]
-    lines = [
-        C.env_line(env),
-        "",
-        C.floors_line(f),
-        "",
-    ]
+    lines = C.table_preamble(record)
     hdr = ("H", "dtype", "window", "R", "ours kernel", "ours ms", "floor ms", "ours / floor", "Megatron bwd ms", "speedup",
            "ours fwd+bwd ms", "Megatron fwd+bwd ms", "ours peak", "Megatron bwd peak", "goals (2x, 2.5x floor)")
     lines += ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
@@ -309,7 +297,7 @@ def markdown_table(record: dict) -> str:
             return f"{r[key] * 1e3:.1f}" if r.get(key) is not None else "-"
 
         sp = f"{r['speedup_vs_megatron_bwd']:.2f}x" if r.get("speedup_vs_megatron_bwd") else "-"
-        goals = _goal(r, "goal_speedup_met") + ", " + _goal(r, "goal_floor_met")
+        goals = C.goal_cell(r, "goal_speedup_met") + ", " + C.goal_cell(r, "goal_floor_met")
         cells = [str(r["H"]), r["dtype"], f"{r['window']} [{r['s']}, {r['e']})", str(r["R"]),
                  r.get("ours_kernel", "-"), ms("ours_s"),
                  ms("floor_s"), f"{r['ours_over_floor']:.2f}", ms("megatron_bwd_s"), sp, ms("ours_fwdbwd_s"),
@@ -324,12 +312,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.report:
-        print(markdown_table(C.last_record(C.report_dir(args) / "moe.json")))
-        return 0
-    if args.spread:
-        print(C.spread_table(C.report_dir(args) / "moe.json", ("H", "dtype", "window"),
-                             ("ours_s", "megatron_bwd_s", "floor_s")))
+    if C.answer_report(args, "moe", markdown_table, ("H", "dtype", "window"), ("ours_s", "megatron_bwd_s", "floor_s")):
         return 0
     if args.profile:
         case = build_case(_configs(args.quick, args.smoke)[0])

@@ -303,8 +303,7 @@ def run(quick: bool = False, smoke: bool = False, out: Path | str | None = None,
         with st.step("correctness gate: ours against the float64 reference"):
             gate = gate_reference()
         with st.step("floors: copy bandwidth and matmul rates"):
-            floors = C.measure_floors(copy_mb=16, matmul_n=256, budget_s=0.05) if smoke else C.measure_floors(
-                copy_mb=256 if quick else 512, budget_s=0.3 if quick else 1.0)
+            floors = C.op_floors(quick=quick, smoke=smoke)
         naive, why = (None, "skipped (--smoke / --no-peers)")
         if use_peer:
             with st.step("peer: import fla-core's naive_nsa_selection"):
@@ -328,20 +327,9 @@ def run(quick: bool = False, smoke: bool = False, out: Path | str | None = None,
                       duration_s=time.perf_counter() - t0)
 
 
-def _goal(row: dict, key: str) -> str:
-    """``met`` / ``missed``, or ``—`` when the row has no number for that goal (fla did not run)."""
-    return "—" if key not in row else ("met" if row[key] else "missed")
-
-
 def markdown_table(record: dict) -> str:
     """The run as Markdown: the floors, then one table row per configuration."""
-    f, env = record["floors"], record["env"]
-    lines = [
-        C.env_line(env),
-        "",
-        C.floors_line(f),
-        "",
-    ]
+    lines = C.table_preamble(record)
     hdr = ("T", "K", "G", "dtype", "ours fwd+bwd ms", "ours fwd ms", "ours bwd (seed) ms", "fla fwd+bwd ms",
            "speedup", "GFLOP/s", "% of fp32 matmul", "ours peak", "peak / token", "fla peak",
            "goals (10x, 30%)")
@@ -352,7 +340,7 @@ def markdown_table(record: dict) -> str:
 
         sp = f"{r['speedup_vs_fla']:.1f}x" if r.get("speedup_vs_fla") else (
             "skipped" if r.get("fla_skipped") else "-")
-        goals = _goal(r, "goal_speedup_met") + ", " + _goal(r, "goal_matmul_met")
+        goals = C.goal_cell(r, "goal_speedup_met") + ", " + C.goal_cell(r, "goal_matmul_met")
         cells = [str(r["T"]), str(r["K"]), str(r["N1"] // r["N2"]), r["dtype"], ms("ours_fwdbwd_s"), ms("ours_fwd_s"), ms("ours_bwd_s"),
                  ms("fla_fwdbwd_s") if r.get("fla_fwdbwd_s") else (
                      "(fp32 math: as fp32)" if "bf16" in r.get("fla_skipped", "") else
@@ -369,11 +357,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.report:
-        print(markdown_table(C.last_record(C.report_dir(args) / "nsa.json")))
-        return 0
-    if args.spread:
-        print(C.spread_table(C.report_dir(args) / "nsa.json", ("T", "K", "N2", "dtype"), ("ours_fwdbwd_s", "fla_fwdbwd_s")))
+    if C.answer_report(args, "nsa", markdown_table, ("T", "K", "N2", "dtype"), ("ours_fwdbwd_s", "fla_fwdbwd_s")):
         return 0
     if args.profile:
         fp32 = [c for c in _configs(args.quick, args.smoke) if c["dtype"] == "fp32"]
