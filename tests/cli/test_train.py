@@ -144,9 +144,12 @@ def test_config_argv_spells_out_every_setting():
     (1, ["--seq-len", "20"], "the recall task .--seq-len, --recall-.*: seq_len: expected >"),
     (1, ["--data", "{tmp}/missing.bin"], "path: expected a token file"),
     (2, ["--replicated-tokens", "--ep", "1", "--dp-shard", "2"], "--replicated-tokens: expected no --dp-replicate"),
+    (1, ["--clip", "-1"], "--clip: expected a number > 0 .and finite., got -1.0"),
+    (1, ["--weight-decay", "-0.1"], "--weight-decay: expected a number >= 0 .and finite., got -0.1"),
+    (4, ["--top-k", "5"], "--top-k: expected at most num_experts = 4, got 5"),
 ], ids=["world-mismatch", "replicate-not-dividing", "ep-not-dividing-shard", "ep-not-dividing-experts",
         "batch-not-dividing", "resume-nothing", "save-every-alone", "no-steps", "no-timeout", "task", "no-file",
-        "replicated-with-dp"])
+        "replicated-with-dp", "negative-clip", "negative-decay", "model"])
 def test_bad_flags_exit_2_before_any_collective(tmp_path, monkeypatch, capsys, world, extra, match):
     """torchrun's environment without a rendezvous behind it: a check after init_process_group would hang or fail
     otherwise (within the 5 s --comm-timeout, the rendezvous's timeout too); the message names the flag and nothing
@@ -160,6 +163,57 @@ def test_bad_flags_exit_2_before_any_collective(tmp_path, monkeypatch, capsys, w
                 if not {"--save-every", "--replicated-tokens"} & set(extra) else [*ARGV, *extra]) == 2
     assert re.search(match, capsys.readouterr().err)
     assert not (tmp_path / "r.json").exists() and not (tmp_path / "ck").exists()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A one-process run's checkpoints ``ck/step_2`` and ``ck/step_4``, ``two/step_2`` alone, and a token file."""
+    root = tmp_path_factory.mktemp("saved")
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main([*ARGV, "--save", str(root / "ck"), "--save-every", "2"]) == 0
+    finally:
+        torch.set_num_threads(n)
+    (root / "two").mkdir()
+    shutil.copytree(root / "ck" / "step_2", root / "two" / "step_2")
+    (torch.arange(4 * 81 * 3) % 24).to(torch.uint16).numpy().tofile(root / "t.bin")  # the recall task's vocabulary
+    return root
+
+
+def _tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--resume", "{ck}", "--num-experts", "8"],
+     r"--resume: expected 'model.blocks.1.ffn.router.weight' of shape \[8, 16\] \(the model's\), got \[4, 16\]"),
+    (["--resume", "{ck}", "--hidden-size", "32"], r"--resume: expected 'model.embed.weight' of shape \[24, 32\]"),
+    (["--resume", "{ck}", "--data", "{saved}/t.bin", "--eval-sequences", "0"],
+     "--resume: data: expected a checkpoint of a token file, got one of 'recall'"),
+    (["--resume", "{ck}", "--lr", "0.5"], r"--lr: expected the checkpoint's 0.01 with --resume .*, got 0.5"),
+    (["--resume", "{ck}", "--weight-decay", "0.1"], r"--weight-decay: expected the checkpoint's 0.0 with --resume"),
+    (["--save", "{ck}"], "--save: expected a directory with no complete checkpoint after step 0 .*holding step_2, step_4"),
+    (["--resume", "{saved}/two", "--save", "{ck}"], "--save: expected .* after step 2 .*holding step_4; resume"),
+    (["--save", "{saved}/t.bin"], "--save: expected a directory that can be written, got .*t.bin', a file"),
+    (["--json", "{saved}"], "--json: expected a file path, got .*, a directory"),
+], ids=["experts", "hidden", "data-kind", "lr", "weight-decay", "save-over-later", "resume-save-over-later",
+        "save-a-file", "json-a-directory"])
+def test_resume_and_outputs_checked_before_any_collective(saved, tmp_path, monkeypatch, capsys, extra, match):
+    """A checkpoint of another model, data or optimizer setting, a --save directory whose later checkpoints the
+    run would write over (or a later --resume would pick), an output that cannot be written: exit 2 naming the
+    flag, under torchrun's environment with no rendezvous behind it (before any collective), nothing written or
+    changed (the step_4 of a run killed while saving over it in place would keep its old .metadata)."""
+    for k, v in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    extra = [x.replace("{ck}", str(saved / "ck")).replace("{saved}", str(saved)) for x in extra]
+    before = _tree(saved)
+    out = [] if "--save" in extra else ["--save", str(tmp_path / "out")]
+    out += [] if "--json" in extra else ["--json", str(tmp_path / "r.json")]
+    assert main([*ARGV, "--ep", "2", "--comm-timeout", "5", *extra, *out]) == 2
+    assert re.search(match, capsys.readouterr().err)
+    assert _tree(saved) == before and _tree(tmp_path) == []
 
 
 # --- torchrun subprocesses ------------------------------------------------------------------------------------

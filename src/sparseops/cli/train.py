@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -156,10 +157,14 @@ def build_spec(args: argparse.Namespace, world: int):
     for name, lo in (("steps", 1), ("global_batch", 1), ("seq_len", 1), ("warmup", 0), ("eval_sequences", 0),
                      ("eval_batch", 1), ("threads", 1), ("log_every", 0), ("save_every", 1), ("vocab_size", 1)):
         _check_int(args, name, lo)
-    if not args.comm_timeout > 0:
-        raise _Bad(f"--comm-timeout: expected a number of seconds > 0, got {args.comm_timeout}")
-    if args.lr is not None and not args.lr > 0:
-        raise _Bad(f"--lr: expected a number > 0, got {args.lr}")
+    if not 0 < args.comm_timeout < math.inf:
+        raise _Bad(f"--comm-timeout: expected a number of seconds > 0 (and finite), got {args.comm_timeout}")
+    if args.lr is not None and not 0 < args.lr < math.inf:
+        raise _Bad(f"--lr: expected a number > 0 (and finite), got {args.lr}")
+    if args.clip is not None and not 0 < args.clip < math.inf:  # <= 0 would scale the gradients by <= 0
+        raise _Bad(f"--clip: expected a number > 0 (and finite), got {args.clip}")
+    if args.weight_decay is not None and not 0 <= args.weight_decay < math.inf:
+        raise _Bad(f"--weight-decay: expected a number >= 0 (and finite), got {args.weight_decay}")
     if args.save_every is not None and args.save is None:
         raise _Bad("--save-every: expected --save DIR with it, got no --save")
     if args.vocab_size is not None and args.data is None:
@@ -193,16 +198,89 @@ def build_spec(args: argparse.Namespace, world: int):
     else:
         task = None
         model = model.replace(vocab_size=args.vocab_size or 0)
-    resume = None
+    resume, resumed = None, 0
     if args.resume is not None:
         try:
-            _, resume = checkpoint.newest_complete(args.resume)
+            resumed, resume = checkpoint.newest_complete(args.resume)
         except ValueError as exc:
             raise _Bad(str(exc)) from None
+    if args.save is not None:
+        # a complete checkpoint after the start would be written over in place (its old .metadata standing
+        # until the new one replaces it) or, kept, picked by a later --resume (docs/training.md)
+        later = [p.name for s, p in checkpoint.scan(args.save)[0] if s > resumed]
+        if later:
+            raise _Bad(f"--save: expected a directory with no complete checkpoint after step {resumed} (the start of "
+                       f"this run), got {args.save!r} holding {', '.join(later)}; resume from it with --resume "
+                       f"{args.save}, or save elsewhere")
     return RunSpec(model=model, optim=optim, task=task, data_path=args.data, data_dtype=args.data_dtype,
                    seq_len=seq_len, dtype=getattr(torch, args.dtype), layout=layout, save_dir=args.save,
                    save_every=args.save_every, resume=resume, comm_timeout=args.comm_timeout,
                    log_every=args.log_every, compile=args.compile)
+
+
+def check_run(spec, data) -> None:
+    """The checks that need the data (its vocabulary), before any collective and without writing: the model of
+    the flags built on the ``meta`` device (its layers' own checks, no storage) and, with ``--resume``, the
+    checkpoint against it: every parameter at the same global shape, data of the same kind (the same token
+    file's windows), the same ``--lr`` and ``--weight-decay`` (AdamW's settings come back from the checkpoint,
+    so a changed flag would be ignored). ``_Bad`` names the flag (docs/training.md, "Checkpoints and resume")."""
+    import torch
+
+    from ..distributed.checkpoint import check_compatible
+    from ..models.lm import CausalLM
+    from ..training import checkpoint
+
+    try:
+        with torch.device("meta"):
+            model = CausalLM(spec.model.replace(vocab_size=data.vocab_size), dispatcher=spec.layout.dispatcher)
+    except ValueError as exc:
+        name, _, rest = str(exc).partition(":")
+        if name in _MODEL_INT + _MODEL_FLOAT:  # LMConfig's field: its flag
+            raise _Bad(f"--{name.replace('_', '-')}:{rest}") from None
+        raise _Bad(f"the model (--hidden-size ... flags): {exc}") from None
+    if spec.resume is None:
+        return
+    path = os.fspath(spec.resume)
+    try:
+        check_compatible({"model": model.state_dict()}, path)
+    except ValueError as exc:
+        raise _Bad(f"--resume: {str(exc).removeprefix('checkpoint_id: ')}") from None
+    groups = [f"optim.param_groups.0.{k}" for k in ("initial_lr", "weight_decay")]
+    saved = checkpoint.read_values(path, [f"train.data.{k}" for k in ("kind", "num_windows", "seq_len")] + groups)
+    if "train.data.kind" not in saved:
+        raise _Bad(f"--resume: expected a checkpoint of sparseops train (with train.data.kind), got {path!r}")
+    try:
+        data.check_state({k.rsplit(".", 1)[1]: v for k, v in saved.items() if k.startswith("train.data.")})
+    except ValueError as exc:
+        raise _Bad(f"--resume: {exc} in {path!r} (--data, --seq-len)") from None
+    for flag, key, want in (("--lr", groups[0], spec.optim.lr), ("--weight-decay", groups[1], spec.optim.weight_decay)):
+        if key in saved and saved[key] != want:
+            raise _Bad(f"{flag}: expected the checkpoint's {saved[key]!r} with --resume (AdamW's settings come back "
+                       f"from {path!r}), got {want!r}")
+
+
+def check_outputs(args: argparse.Namespace, rank: int) -> None:
+    """Create ``--save DIR`` and write a file in it (every rank), and the same in ``--json``'s folder (rank 0, the
+    one that writes it): a target that cannot be written fails here, before any collective, not at the first
+    checkpoint after S steps or at the end of the run. The last check: nothing is created when another fails."""
+    import tempfile
+
+    targets = [("--save", Path(args.save))] if args.save is not None else []
+    if args.json is not None and rank == 0:
+        if Path(args.json).is_dir():
+            raise _Bad(f"--json: expected a file path, got {args.json!r}, a directory")
+        targets.append(("--json", Path(args.json).parent))
+    for flag, folder in targets:
+        if folder.exists() and not folder.is_dir():
+            raise _Bad(f"{flag}: expected a directory that can be written, got {os.fspath(folder)!r}, a file")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".sparseops-write-check-", dir=folder)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            raise _Bad(f"{flag}: expected a directory that can be written, got {os.fspath(folder)!r} "
+                       f"({exc.strerror or exc})") from None
 
 
 def config_argv(task, model, optim) -> list[str]:
@@ -237,6 +315,8 @@ def run(args: argparse.Namespace) -> int:
         from ..training.loop import make_data
 
         data = make_data(spec)  # a bad token file fails here, before any collective
+        check_run(spec, data)
+        check_outputs(args, rank)
     except (_Bad, ValueError) as exc:
         if rank == 0:
             print(f"sparseops train: {exc}", file=sys.stderr)

@@ -74,6 +74,33 @@ def newest_complete(directory: str | os.PathLike, flag: str = "--resume") -> tup
     return step, path
 
 
+def read_values(path: str | os.PathLike, keys) -> dict:
+    """``{key: value}`` of the checkpoint's non-tensor entries ``keys`` (DCP's flat names, such as
+    ``"optim.param_groups.0.initial_lr"``); keys the checkpoint lacks are left out. Reads in this process alone
+    (``no_dist``: no collective), so ``sparseops train`` checks a resume before its process group exists."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    saved = dcp.FileSystemReader(os.fspath(path)).read_metadata().state_dict_metadata
+    keys = [k for k in keys if isinstance(saved.get(k), BytesStorageMetadata)]
+    nested: dict = {}
+    for k in keys:  # DCP names a nested dict's entries by their dotted path
+        *parents, leaf = k.split(".")
+        d = nested
+        for part in parents:
+            d = d.setdefault(part, {})
+        d[leaf] = None
+    if keys:
+        with _one_process_quiet():
+            dcp.load(nested, checkpoint_id=os.fspath(path), no_dist=True)
+    out = {}
+    for k in keys:
+        d = nested
+        for part in k.split("."):
+            d = d[part]
+        out[k] = d
+    return out
+
+
 def _rng_key(rank: int) -> str:
     return f"rank_{rank}"
 

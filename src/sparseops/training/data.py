@@ -84,9 +84,13 @@ class RecallStream:
     def state_dict(self) -> dict:
         return {"kind": "recall", "position": self.position, "generator": self.generator.get_state()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def check_state(self, state: dict) -> None:
+        """Raise ``ValueError`` unless ``state`` (its ``kind`` at least) is a recall stream's."""
         if state["kind"] != "recall":
             raise ValueError(f"data: expected a checkpoint of the recall task, got one of {state['kind']!r}")
+
+    def load_state_dict(self, state: dict) -> None:
+        self.check_state(state)
         self.generator.set_state(state["generator"])
         self.position = int(state["position"])
 
@@ -152,12 +156,16 @@ class TokenFile:
         return {"kind": "tokens", "position": self.position, "num_windows": self.num_windows,
                 "seq_len": self.seq_len}
 
-    def load_state_dict(self, state: dict) -> None:
+    def check_state(self, state: dict) -> None:
+        """Raise ``ValueError`` unless ``state`` (``kind``, ``num_windows``, ``seq_len``) is this file's."""
         if state["kind"] != "tokens":
             raise ValueError(f"data: expected a checkpoint of a token file, got one of {state['kind']!r}")
         if (int(state["num_windows"]), int(state["seq_len"])) != (self.num_windows, self.seq_len):
             raise ValueError(f"data: the checkpoint's token file has {state['num_windows']} windows of "
                              f"{state['seq_len']} tokens, this one {self.num_windows} of {self.seq_len}")
+
+    def load_state_dict(self, state: dict) -> None:
+        self.check_state(state)
         self.position = int(state["position"])
 
 
