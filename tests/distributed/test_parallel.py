@@ -432,6 +432,25 @@ def test_raw_ep_group_checkpoint_loads_in_one_process(ckpt_dir, w2):
     assert torch.equal(layer.experts.w1, torch.cat(blocks))
 
 
+def test_load_with_an_optimizer_of_a_checkpoint_without_one(tmp_path):
+    """ckpt.load(path, model, opt) of a model-only checkpoint: ValueError naming the optimizer key, before anything
+    is read (DCP's planner raised a CheckpointException, a BaseException, a traceback deep in DCP)."""
+    model = _model()
+    ckpt.save(tmp_path / "model_only", model)
+    other = _model()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    opt = torch.optim.AdamW(other.parameters())
+    with pytest.raises(ValueError, match=r"expected the key 'optim\.state\..*' .*no such key \(a checkpoint saved "
+                                         r"without an optimizer\?\)"):
+        ckpt.load(tmp_path / "model_only", other, opt)
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())  # nothing loaded
+    ckpt.load(tmp_path / "model_only", other)  # the model alone loads
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in other.state_dict().items())
+
+
 def test_materialize_in_one_process():
     """Without a process group: a meta-built model gets the full state dict and fresh non-persistent buffers."""
     with torch.device("meta"):

@@ -54,7 +54,9 @@ def check_compatible(state_dict: Mapping, checkpoint_id: str | os.PathLike) -> N
     saved = FileSystemReader(path).read_metadata().state_dict_metadata
     for key, value in _flatten(state_dict).items():
         if key not in saved:
-            raise ValueError(f"checkpoint_id: expected the key {key!r} in the checkpoint {path!r}, got no such key")
+            hint = " (a checkpoint saved without an optimizer?)" if key.startswith("optim.") else ""
+            raise ValueError(f"checkpoint_id: expected the key {key!r} in the checkpoint {path!r}, got no such key"
+                             + hint)
         shape = _shape(value)
         meta = saved[key]
         if shape is not None and isinstance(meta, TensorStorageMetadata) and tuple(meta.size) != tuple(shape):
@@ -123,8 +125,8 @@ def load(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: torch.op
          **extra) -> dict:
     """Load a :func:`save` checkpoint into ``model`` (and ``optimizer``), at whatever layout ``model`` has.
 
-    :func:`check_compatible` runs first, so an incompatible checkpoint raises ``ValueError`` before any
-    tensor is loaded. ``extra``: entries to load in place (their current values give the structure); returned
+    :func:`check_compatible` runs first (on the model, the optimizer's moments and ``extra``), so an incompatible
+    checkpoint, or one saved without an optimizer, raises ``ValueError`` before any tensor is loaded. ``extra``: entries to load in place (their current values give the structure); returned
     as loaded. Works in one process without a process group too (DCP's no-process-group mode)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -138,7 +140,12 @@ def load(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: torch.op
     if optimizer is not None:
         state["optim"] = _optim_to_global(model, get_optimizer_state_dict(model, optimizer))
     state.update(extra)
-    check_compatible({k: v for k, v in state.items() if k != "optim"}, checkpoint_id)
+    # the optimizer's moments too (its param_groups are DCP entries of their own, not flattened as _flatten does):
+    # a checkpoint without them raised DCP's CheckpointException, a BaseException, from its planner
+    checked = {k: v for k, v in state.items() if k != "optim"}
+    if optimizer is not None:
+        checked["optim"] = {"state": state["optim"].get("state", {})}
+    check_compatible(checked, checkpoint_id)
     dcp.load(state, checkpoint_id=os.fspath(checkpoint_id))
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
