@@ -216,6 +216,24 @@ def test_resume_and_outputs_checked_before_any_collective(saved, tmp_path, monke
     assert _tree(saved) == before and _tree(tmp_path) == []
 
 
+def test_resume_without_optimizer_flags_keeps_the_checkpoints(saved):
+    """--resume with --lr / --weight-decay left out: the checkpoint's values are the run's (not the flags'
+    defaults, which would be refused as a change)."""
+    from sparseops.cli import build_parser
+    from sparseops.cli.train import build_spec, check_run
+    from sparseops.training.loop import make_data
+
+    argv = [*ARGV, "--resume", str(saved / "ck")]
+    for flag in ("--lr", "--weight-decay"):
+        i = argv.index(flag)
+        del argv[i:i + 2]
+    args = build_parser().parse_args(argv)
+    spec = build_spec(args, 1)
+    assert (spec.optim.lr, spec.optim.weight_decay) != (CFG.lr, CFG.weight_decay)  # the flags' defaults
+    spec = check_run(spec, make_data(spec), args)
+    assert (spec.optim.lr, spec.optim.weight_decay) == (CFG.lr, CFG.weight_decay)
+
+
 # --- torchrun subprocesses ------------------------------------------------------------------------------------
 
 #: seconds any one torchrun job may take (start-up is several seconds per process on 2 busy cores)

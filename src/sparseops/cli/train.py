@@ -218,12 +218,14 @@ def build_spec(args: argparse.Namespace, world: int):
                    log_every=args.log_every, compile=args.compile)
 
 
-def check_run(spec, data) -> None:
+def check_run(spec, data, args: argparse.Namespace):
     """The checks that need the data (its vocabulary), before any collective and without writing: the model of
     the flags built on the ``meta`` device (its layers' own checks, no storage) and, with ``--resume``, the
     checkpoint against it: every parameter at the same global shape, data of the same kind (the same token
-    file's windows), the same ``--lr`` and ``--weight-decay`` (AdamW's settings come back from the checkpoint,
-    so a changed flag would be ignored). ``_Bad`` names the flag (docs/training.md, "Checkpoints and resume")."""
+    file's windows). AdamW's ``lr`` and ``weight_decay`` come back from the checkpoint: ``--lr`` /
+    ``--weight-decay`` given with another value are refused (they would be ignored), and when not given the
+    checkpoint's values are the run's. Returns ``spec`` with those values; ``_Bad`` names the flag
+    (docs/training.md, "Checkpoints and resume")."""
     import torch
 
     from ..distributed.checkpoint import check_compatible
@@ -239,7 +241,7 @@ def check_run(spec, data) -> None:
             raise _Bad(f"--{name.replace('_', '-')}:{rest}") from None
         raise _Bad(f"the model (--hidden-size ... flags): {exc}") from None
     if spec.resume is None:
-        return
+        return spec
     path = os.fspath(spec.resume)
     try:
         check_compatible({"model": model.state_dict()}, path)
@@ -253,10 +255,15 @@ def check_run(spec, data) -> None:
         data.check_state({k.rsplit(".", 1)[1]: v for k, v in saved.items() if k.startswith("train.data.")})
     except ValueError as exc:
         raise _Bad(f"--resume: {exc} in {path!r} (--data, --seq-len)") from None
-    for flag, key, want in (("--lr", groups[0], spec.optim.lr), ("--weight-decay", groups[1], spec.optim.weight_decay)):
-        if key in saved and saved[key] != want:
+    kept = {}
+    for flag, field, key in (("--lr", "lr", groups[0]), ("--weight-decay", "weight_decay", groups[1])):
+        given = getattr(args, field)
+        if key in saved and given is not None and saved[key] != given:
             raise _Bad(f"{flag}: expected the checkpoint's {saved[key]!r} with --resume (AdamW's settings come back "
-                       f"from {path!r}), got {want!r}")
+                       f"from {path!r}; leave the flag out to keep them), got {given!r}")
+        if key in saved:
+            kept[field] = saved[key]
+    return dataclasses.replace(spec, optim=dataclasses.replace(spec.optim, **kept))
 
 
 def check_outputs(args: argparse.Namespace, rank: int) -> None:
@@ -315,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
         from ..training.loop import make_data
 
         data = make_data(spec)  # a bad token file fails here, before any collective
-        check_run(spec, data)
+        spec = check_run(spec, data, args)
         check_outputs(args, rank)
     except (_Bad, ValueError) as exc:
         if rank == 0:
