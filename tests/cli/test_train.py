@@ -197,8 +197,9 @@ def _tree(root: Path) -> list[str]:
     (["--resume", "{saved}/two", "--save", "{ck}"], "--save: expected .* after step 2 .*holding step_4; resume"),
     (["--save", "{saved}/t.bin"], "--save: expected a directory that can be written, got .*t.bin', a file"),
     (["--json", "{saved}"], "--json: expected a file path, got .*, a directory"),
+    (["--resume", "{ck}", "--steps", "3"], "--steps: expected at least the resumed step 4 .*, got 3"),
 ], ids=["experts", "hidden", "data-kind", "lr", "weight-decay", "save-over-later", "resume-save-over-later",
-        "save-a-file", "json-a-directory"])
+        "save-a-file", "json-a-directory", "steps-before-resumed"])
 def test_resume_and_outputs_checked_before_any_collective(saved, tmp_path, monkeypatch, capsys, extra, match):
     """A checkpoint of another model, data or optimizer setting, a --save directory whose later checkpoints the
     run would write over (or a later --resume would pick), an output that cannot be written: exit 2 naming the

@@ -204,6 +204,9 @@ def build_spec(args: argparse.Namespace, world: int):
             resumed, resume = checkpoint.newest_complete(args.resume)
         except ValueError as exc:
             raise _Bad(str(exc)) from None
+        if optim.steps < resumed:  # --steps counts from step 0: such a run would train nothing and say done
+            raise _Bad(f"--steps: expected at least the resumed step {resumed} (steps count from 0, a resumed run "
+                       f"continues up to N), got {optim.steps}")
     if args.save is not None:
         # a complete checkpoint after the start would be written over in place (its old .metadata standing
         # until the new one replaces it) or, kept, picked by a later --resume (docs/training.md)
