@@ -89,6 +89,25 @@ def check_float(name: str, v) -> float:
     return v
 
 
+def check_param_dtype(dtype, dtypes: Sequence[torch.dtype] = FLOAT_DTYPES + (torch.float64,)):
+    """A module constructor's ``dtype`` keyword: None (torch's default) or a floating dtype of ``dtypes``."""
+    if dtype is None:
+        return None
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype: expected None or a torch.dtype, got {type(dtype).__name__} ({dtype!r})")
+    if dtype not in dtypes:
+        raise TypeError(f"dtype: expected None or one of {_dtype_names(dtypes)}, got {str(dtype).replace('torch.', '')}")
+    return dtype
+
+
+def check_has_data(name: str, t: torch.Tensor, module: bool = False) -> None:
+    """Data-dependent work (a top-k, a count) cannot run on a ``meta`` tensor: say so instead of torch's error.
+    ``module``: the tensor is a module's input, so hint at materializing the module."""
+    if t.device.type == "meta":
+        hint = " (materialize the module first: to_empty(device=...), then reset_parameters())" if module else ""
+        raise ValueError(f"{name}: expected a tensor with data, got one on the meta device{hint}")
+
+
 def check_bool(name: str, v) -> bool:
     if not isinstance(v, bool):
         raise TypeError(f"{name}: expected a bool, got {type(v).__name__} ({v!r})")
@@ -146,12 +165,16 @@ def resolve_backend(backend, device: torch.device) -> str:
     return backend
 
 
-def check_hidden_states(x, hidden_size: int, param_dtype: torch.dtype, dtypes) -> torch.Tensor:
-    """An attention layer's input: a tensor ``[T, hidden_size]`` of one of ``dtypes``, in the parameters' dtype."""
+def check_hidden_states(x, hidden_size: int, param_dtype: torch.dtype, dtypes,
+                        param_device: torch.device | None = None) -> torch.Tensor:
+    """An attention layer's input: a tensor ``[T, hidden_size]`` of one of ``dtypes``, in the parameters' dtype
+    and on their device."""
     x = check_tensor("x", x, ndim=2, dtypes=dtypes)
     if x.shape[1] != hidden_size:
         raise ValueError(f"x: expected shape [T, hidden_size={hidden_size}], got {list(x.shape)}")
     if x.dtype != param_dtype:
         raise TypeError(f"x: expected dtype {str(param_dtype).replace('torch.', '')} (the parameters' dtype), "
                         f"got {str(x.dtype).replace('torch.', '')}")
+    if param_device is not None and x.device != param_device:
+        raise ValueError(f"x: expected device {param_device} (the parameters' device), got {x.device}")
     return x

@@ -121,6 +121,7 @@ def test_causal_and_packing_invariant():
     (dict(v_head_dim=32), ValueError, "v_head_dim"),
     (dict(rope_theta=10.0, index_head_dim=5), ValueError, "index_head_dim"),
     (dict(detach_indexer_input=1), TypeError, "detach_indexer_input"),
+    (dict(dtype=torch.int32), TypeError, "dtype: expected None or one of"),
 ])
 def test_bad_config(kw, exc, msg):
     args = dict(hidden_size=16, num_heads=4, num_kv_heads=1, head_dim=16, topk=4)
@@ -137,3 +138,7 @@ def test_bad_input():
         m(torch.randn(5, 16, dtype=torch.float64))
     with pytest.raises(ValueError, match="cu_seqlens"):
         m(torch.randn(5, 16), [0, 4])
+    with pytest.raises(ValueError, match="x: expected device cpu"):
+        m(torch.randn(5, 16, device="meta"))
+    with pytest.raises(ValueError, match="x: expected a tensor with data, got one on the meta device"):
+        DeepSeekSparseAttention(16, 4, 1, 8, topk=4, device="meta")(torch.randn(5, 16, device="meta"))

@@ -68,6 +68,7 @@ def test_counts_as_a_tensor():
     ([5, -1, 0], ValueError, "counts >= 0"),
     (torch.tensor([1.0, 1.0, 2.0]), TypeError, "integer tensor"),
     ([1, 1, 2.0], TypeError, "expected ints"),
+    (torch.tensor([1, 1, 2], device="meta"), ValueError, "tokens_per_expert: expected a tensor with data"),
     ("1,1,2", TypeError, "tokens_per_expert"),
 ])
 def test_bad_counts(counts, err, match):
@@ -86,3 +87,7 @@ def test_bad_construction_and_input():
         ex(torch.randn(3, 4, dtype=torch.float64), [3, 0])
     with pytest.raises(ValueError, match="ExpertSettings.gemm"), SETTINGS.override(gemm="fast"):
         ex(torch.randn(3, 4), [3, 0])
+    with pytest.raises(ValueError, match="x: expected device cpu"):
+        ex(torch.randn(3, 4, device="meta"), [3, 0])
+    with pytest.raises(TypeError, match="dtype: expected None or one of"):
+        GroupedExperts(2, 4, 4, dtype=torch.int32)

@@ -134,6 +134,8 @@ def test_update_expert_bias_one_process():
     ({"num_groups": 3, "group_topk": 1}, ValueError, "num_groups: expected a divisor of num_experts = 8"),
     ({"top_k": 9}, ValueError, "top_k: expected at most num_experts = 8, got 9"),
     ({"shared_ffn_size": -1}, ValueError, "shared_ffn_size"),
+    ({"backend": "cuda"}, ValueError, "backend: expected one of"),
+    ({"dtype": torch.int32}, TypeError, "dtype: expected None or one of"),
 ])
 def test_bad_construction(kw, err, match):
     args = {"top_k": 2} | kw
@@ -149,3 +151,5 @@ def test_bad_input():
         layer(torch.randn(4, H, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="x: expected a floating-point tensor"):
         layer(torch.ones(4, H, dtype=torch.int32))
+    with pytest.raises(ValueError, match="x: expected a tensor with data, got one on the meta device"):
+        MoELayer(H, F, E, 2, device="meta")(torch.randn(4, H, device="meta"))

@@ -187,15 +187,23 @@ BAD_INIT = [
     ("rope-negative", dict(rope_theta=-1.0), "rope_theta"),
     ("window-0", dict(window_size=0), "window_size"),
 ]
+BAD_INIT_TYPE = [
+    ("dtype-int", dict(dtype=torch.int32), "dtype"),
+]
 
 
-@pytest.mark.parametrize("case", BAD_INIT, ids=[c[0] for c in BAD_INIT])
+@pytest.mark.parametrize("case", BAD_INIT + BAD_INIT_TYPE, ids=[c[0] for c in BAD_INIT + BAD_INIT_TYPE])
 def test_bad_constructor_args(case):
     _, kwargs, name = case
     args = dict(num_heads=4, num_kv_heads=1)
     args.update(kwargs)
-    with pytest.raises(ValueError, match=f"^{name}:"):
+    with pytest.raises(TypeError if case in BAD_INIT_TYPE else ValueError, match=f"^{name}:"):
         NativeSparseAttention(32, **args)
+
+
+def test_branches_from_any_iterable():
+    m = NativeSparseAttention(32, 4, 1, 8, select_block_size=16, branches=iter(["win", "cmp"]))
+    assert m.branches == ("cmp", "win")
 
 
 BAD_CALL = [
@@ -206,6 +214,8 @@ BAD_CALL = [
     ("cu-decreasing", dict(cu_seqlens=[0, 6, 3, 10]), ValueError, "cu_seqlens"),
     ("cu-not-ending-at-T", dict(cu_seqlens=torch.tensor([0, 9])), ValueError, "cu_seqlens"),
     ("return-info-int", dict(return_info=1), TypeError, "return_info"),
+    ("x-meta", dict(x=torch.zeros(10, 32, device="meta")), ValueError, "x"),  # not the parameters' device
+    ("cu-meta", dict(cu_seqlens=torch.tensor([0, 10], device="meta")), ValueError, "cu_seqlens"),
 ]
 
 

@@ -102,6 +102,7 @@ def test_losses_on_a_worked_example():
     ((4, 6, 1), {"aux_loss_coeff": -1.0}, ValueError, "aux_loss_coeff"),
     ((4, 0, 1), {}, ValueError, "num_experts"),
     ((4, 4, 1), {"expert_bias": 1}, TypeError, "expert_bias"),
+    ((4, 4, 1), {"dtype": torch.int64}, TypeError, "dtype: expected None or one of"),
 ])
 def test_bad_construction(args, kw, err, match):
     with pytest.raises(err, match=match):
@@ -116,3 +117,11 @@ def test_bad_input():
         r(torch.ones(3, 4, dtype=torch.int64))
     with pytest.raises(TypeError, match="x: expected a torch.Tensor"):
         r([[0.0] * 4])
+    with pytest.raises(ValueError, match="x: expected device cpu"):
+        r(torch.randn(3, 4, device="meta"))
+    with pytest.raises(ValueError, match="x: expected a tensor with data, got one on the meta device"):
+        TopKRouter(4, 4, 2, device="meta")(torch.randn(3, 4, device="meta"))
+    with pytest.raises(TypeError, match="group: expected None or a torch.distributed.ProcessGroup"):
+        r(torch.randn(3, 4), group="world")
+    with pytest.raises(TypeError, match="aux: expected a bool"):
+        r(torch.randn(3, 4), aux="no")

@@ -65,6 +65,7 @@ class DeepSeekSparseAttention(nn.Module):
                     raise ValueError(f"{name}: expected an even size with rope_theta set, got {d}")
         self.detach_indexer_input = _checks.check_bool("detach_indexer_input", detach_indexer_input)
         _checks.resolve_backend(backend, torch.device("cpu") if device is None else torch.device(device))
+        _checks.check_param_dtype(dtype, DTYPES)
         self.hidden_size, self.num_heads, self.num_kv_heads = H, N1, N2
         self.head_dim, self.v_head_dim, self.index_heads, self.index_head_dim = Dqk, Dv, Hi, Di
         self.rope_theta, self.backend = rope_theta, backend
@@ -106,7 +107,8 @@ class DeepSeekSparseAttention(nn.Module):
         Returns:
             ``y`` or ``(y, info)``.
         """
-        x = _checks.check_hidden_states(x, self.hidden_size, self.q_proj.weight.dtype, DTYPES)
+        x = _checks.check_hidden_states(x, self.hidden_size, self.q_proj.weight.dtype, DTYPES, self.q_proj.weight.device)
+        _checks.check_has_data("x", x, module=True)  # the indexer's top-k reads the scores
         return_info = _checks.check_bool("return_info", return_info)
         T = x.shape[0]
         cu = cu_seqlens_list(cu_seqlens, T)

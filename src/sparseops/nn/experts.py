@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import _compile
-from .._checks import check_int
+from .._checks import check_has_data, check_int, check_param_dtype
 from .._numerics import acc_dtype
 from .._settings import Settings
 from ..moe.torch_impl import _empty_rows
@@ -201,6 +201,7 @@ def check_counts(tokens_per_expert, E: int, R: int) -> list[int]:
             raise TypeError(f"{name}: expected an integer tensor or a list of ints, got {tokens_per_expert.dtype}")
         if tokens_per_expert.dim() != 1:
             raise ValueError(f"{name}: expected shape [E={E}], got {list(tokens_per_expert.shape)}")
+        check_has_data(name, tokens_per_expert)
         counts = tokens_per_expert.tolist()
     elif isinstance(tokens_per_expert, Sequence):
         counts = list(tokens_per_expert)
@@ -238,6 +239,7 @@ class GroupedExperts(nn.Module):
         E = check_int("num_experts", num_experts, lo=0)
         H = check_int("hidden_size", hidden_size, lo=1)
         Fs = check_int("ffn_size", ffn_size, lo=1)
+        check_param_dtype(dtype)
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
         self.num_experts, self.hidden_size, self.ffn_size, self.activation = E, H, Fs, activation
@@ -274,6 +276,8 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"x: expected shape [R, H={self.hidden_size}], got {list(x.shape)}")
         if x.dtype != self.w1.dtype:
             raise TypeError(f"x: expected dtype {self.w1.dtype} (the experts' weights), got {x.dtype}")
+        if x.device != self.w1.device:
+            raise ValueError(f"x: expected device {self.w1.device} (the experts' weights), got {x.device}")
         counts = check_counts(tokens_per_expert, self.num_experts, x.shape[0])
         return self.apply_counts(x, counts)
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .._checks import check_float, check_int
+from .._checks import BACKENDS, check_float, check_int, check_param_dtype
 from ..distributed.collectives import even_sizes, gather_rows, split_rows
 from ..distributed.dispatchers import DISPATCH, DISPATCHERS, Plan
 from ..distributed.expert_parallel import ExpertParallelModule, inside_ddp
@@ -126,6 +126,9 @@ class MoELayer(ExpertParallelModule):
             raise ValueError(f"capacity_factor: expected None or a number > 0, got {capacity_factor!r}")
         if not isinstance(backend, str):
             raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
+        if backend not in BACKENDS:  # its device is known at the first forward (the layer may move)
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        check_param_dtype(dtype)
         if not isinstance(replicated_tokens, bool):
             raise TypeError(f"replicated_tokens: expected a bool, got {type(replicated_tokens).__name__}")
         self._init_expert_parallel(E, ep_group)

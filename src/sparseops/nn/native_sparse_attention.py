@@ -106,10 +106,13 @@ class NativeSparseAttention(nn.Module):
                 raise ValueError(f"rope_theta: expected > 0, got {rope_theta}")
             if Dqk % 2:
                 raise ValueError(f"head_dim: expected an even size with rope_theta set, got {Dqk}")
+        if not isinstance(branches, str) and hasattr(branches, "__iter__"):
+            branches = tuple(branches)
         if isinstance(branches, str) or not all(isinstance(b, str) and b in BRANCHES for b in branches) \
                 or not branches or len(set(branches)) != len(branches):
             raise ValueError(f"branches: expected a non-empty subset of {BRANCHES}, got {branches!r}")
         _checks.resolve_backend(backend, torch.device("cpu") if device is None else torch.device(device))
+        _checks.check_param_dtype(dtype, DTYPES)
         self.hidden_size, self.num_heads, self.num_kv_heads = H, N1, N2
         self.head_dim, self.v_head_dim = Dqk, Dv
         self.compress_block_size, self.compress_stride = l, d
@@ -157,7 +160,7 @@ class NativeSparseAttention(nn.Module):
         Returns:
             ``y`` or ``(y, info)``.
         """
-        x = _checks.check_hidden_states(x, self.hidden_size, self.q_proj.weight.dtype, DTYPES)
+        x = _checks.check_hidden_states(x, self.hidden_size, self.q_proj.weight.dtype, DTYPES, self.q_proj.weight.device)
         return_info = _checks.check_bool("return_info", return_info)
         T = x.shape[0]
         cu = cu_seqlens_list("cu_seqlens", cu_seqlens, T)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._checks import check_float, check_int
+from .._checks import check_bool, check_float, check_has_data, check_int, check_param_dtype
 from .._numerics import acc_dtype
 from .stats import gather_stats
 
@@ -68,6 +68,7 @@ class TopKRouter(nn.Module):
         H = check_int("hidden_size", hidden_size, lo=1)
         E = check_int("num_experts", num_experts, lo=1)
         K = check_int("top_k", top_k, lo=1)
+        check_param_dtype(dtype)
         if K > E:
             raise ValueError(f"top_k: expected at most num_experts = {E}, got {K}")
         if score_func not in SCORE_FUNCS:
@@ -131,6 +132,7 @@ class TopKRouter(nn.Module):
             raise ValueError(f"x: expected shape [..., H={self.hidden_size}], got {list(x.shape)}")
         if x.device != self.weight.device:
             raise ValueError(f"x: expected device {self.weight.device} (the router weight's), got {x.device}")
+        check_has_data("x", x, module=True)  # the expert choice and its counts read the scores
         return x.reshape(-1, self.hidden_size)
 
     def select(self, scores: torch.Tensor) -> torch.Tensor:
@@ -211,6 +213,9 @@ class TopKRouter(nn.Module):
             aux_loss [], tokens_per_expert [E] int64)``; floats in fp32 (float64 for float64 x).
         """
         x2 = self.check_input(x)
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group: expected None or a torch.distributed.ProcessGroup, got {type(group).__name__}")
+        aux = check_bool("aux", aux)
         logits, scores, indices, probs, counts = self.route(x2)
         if not aux:
             return RouterOutput(probs, indices.to(torch.int32), scores, logits, None, counts)
