@@ -147,6 +147,8 @@ def test_empty_input():
     (lambda a: a.update(cu_seqlens=[0, 5]), ValueError, "cu_seqlens"),
     (lambda a: a.update(cu_seqlens=[1, 10]), ValueError, "cu_seqlens"),
     (lambda a: a.update(causal=1), TypeError, "causal"),
+    # the top-k reads the scores: no meta tensors
+    (lambda a: a.update({n: a[n].to("meta") for n in ("q_idx", "k_idx", "weights")}), ValueError, "q_idx: .*meta"),
 ])
 def test_bad_input(edit, exc, msg):
     q, k, w = _inputs(10)

@@ -112,6 +112,9 @@ BAD = [
     ("N2-not-dividing", dict(q=torch.zeros(10, 3, 8), k=torch.zeros(10, 2, 8), v=torch.zeros(10, 2, 8)),
      ValueError, "k"),
     ("q-int", dict(q=torch.zeros(10, 2, 8, dtype=torch.int32)), TypeError, "q"),
+    ("Dqk-0", dict(q=torch.zeros(10, 2, 0), k=torch.zeros(10, 1, 0)), ValueError, "q"),  # scale 0 ** -0.5
+    ("Dv-0", dict(v=torch.zeros(10, 1, 0)), ValueError, "v"),
+    ("cu-meta", dict(cu_seqlens=torch.tensor([0, 10], device="meta")), ValueError, "cu_seqlens"),
 ]
 
 

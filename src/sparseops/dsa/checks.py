@@ -30,6 +30,7 @@ def check_indexer_args(q_idx, k_idx, weights, cu_seqlens, causal) -> tuple[list[
     _checks.check_shape("k_idx", k_idx, [("T", T), ("Di", Di)])
     _checks.check_shape("weights", weights, [("T", T), ("Hi", Hi)])
     _checks.check_same_device(q_idx=q_idx, k_idx=k_idx, weights=weights)
+    _checks.check_has_data("q_idx", q_idx)  # the top-k reads the scores
     return cu_seqlens_list(cu_seqlens, T), _checks.check_bool("causal", causal)
 
 
