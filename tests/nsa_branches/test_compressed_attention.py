@@ -90,6 +90,8 @@ BAD = [
     ("cu-cmp-mismatch", dict(cu_seqlens_cmp=[0, 2]), ValueError, "cu_seqlens_cmp"),
     ("stride-not-dividing", dict(stride=3), ValueError, "stride"),
     ("k-cmp-head-dim", dict(k_cmp=torch.zeros(3, 1, 5)), ValueError, "k_cmp"),
+    ("Dqk-0", dict(q=torch.zeros(16, 2, 0), k_cmp=torch.zeros(3, 1, 0)), ValueError, "q"),  # scale 0 ** -0.5
+    ("Dv-0", dict(v_cmp=torch.zeros(3, 1, 0)), ValueError, "v_cmp"),
     ("v-cmp-blocks", dict(v_cmp=torch.zeros(2, 1, 8)), ValueError, "v_cmp"),
     ("v-cmp-dtype", dict(v_cmp=torch.zeros(3, 1, 8, dtype=torch.bfloat16)), TypeError, "v_cmp"),
     ("scale-nan", dict(scale=float("nan")), ValueError, "scale"),

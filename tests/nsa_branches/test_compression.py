@@ -66,6 +66,7 @@ BAD = [
     ("cu-not-ending-at-T", dict(cu_seqlens=[0, 5]), ValueError, "cu_seqlens"),
     ("v-dtype", dict(v=torch.zeros(20, 1, 4, dtype=torch.float16)), TypeError, "v"),
     ("v-heads", dict(v=torch.zeros(20, 2, 4)), ValueError, "v"),
+    ("v-head-dim-0", dict(v=torch.zeros(20, 1, 0)), ValueError, "v"),
     ("compressor-not-callable", dict(compressor=3), TypeError, "compressor"),
     ("compressor-wrong-shape", dict(compressor=lambda b: b.sum(1)[:, :, :2]), ValueError, "compressor"),
 ]

@@ -63,6 +63,17 @@ def test_compiles_fullgraph():
         assert_close(a, e, dtype=torch.float32)
 
 
+@pytest.mark.parametrize("case", [
+    ("outs-shapes-differ", lambda g, o: (g, o[0], o[1][:2], o[2]), "outs\\[1\\]: expected the shape of outs\\[0\\]"),
+    ("gates-rows", lambda g, o: (g[:2], *o), "gates: expected shape"),
+    ("outs-rank", lambda g, o: (g, o[0][0], o[1], o[2]), "outs\\[0\\]: expected a 3-D tensor"),
+], ids=lambda c: c[0])
+def test_shapes_must_match(case):
+    gates, outs, _ = _inputs(4, 3, torch.float64)
+    with pytest.raises(ValueError, match=case[2]):
+        gated_sum(*case[1](gates, outs))
+
+
 def test_gate_columns_must_match_the_outputs():
     gates, outs, _ = _inputs(4, 3, torch.float64)
     with pytest.raises(ValueError, match="gates: expected 2 columns"):

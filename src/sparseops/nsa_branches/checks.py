@@ -47,6 +47,13 @@ def check_heads(q_name: str, q: torch.Tensor, k_name: str, k: torch.Tensor) -> i
     return G
 
 
+def check_head_dims(**tensors) -> None:
+    """The last dimension (Dqk or Dv) of each ``[rows, heads, D]`` tensor is at least 1 (a 0 divides by 0)."""
+    for nm, t in tensors.items():
+        if t.shape[2] < 1:
+            raise ValueError(f"{nm}: expected a head dimension {nm}.shape[2] >= 1, got shape {_checks.fmt_shape(t.shape)}")
+
+
 def check_same_dtype(ref_name: str, ref: torch.Tensor, **others) -> None:
     for nm, t in others.items():
         if t.dtype != ref.dtype:

@@ -9,6 +9,7 @@ from . import chunked_attention as _ca
 from .checks import (
     DTYPES,
     check_blocks,
+    check_head_dims,
     check_heads,
     check_same_dtype,
     check_scale,
@@ -29,9 +30,11 @@ def check_cmp_args(q, k_cmp, v_cmp, cu_seqlens, cu_seqlens_cmp, block_size, stri
         check_same_dtype("q", q, v_cmp=v_cmp)
         _checks.check_shape("v_cmp", v_cmp, [("C", k_cmp.shape[0]), ("N2", k_cmp.shape[1]), ("Dv", -1)])
         _checks.check_same_device(q=q, k_cmp=k_cmp, v_cmp=v_cmp)
+        check_head_dims(v_cmp=v_cmp)
     else:
         _checks.check_same_device(q=q, k_cmp=k_cmp)
     check_heads("q", q, "k_cmp", k_cmp)
+    check_head_dims(q=q)
     l, d = check_blocks(block_size, stride)
     cu = cu_seqlens_list("cu_seqlens", cu_seqlens, T)
     cu_cmp = cu_seqlens_list("cu_seqlens_cmp", cu_seqlens_cmp, k_cmp.shape[0])

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from .. import _checks
-from .checks import DTYPES, check_blocks, check_same_dtype, cmp_cu_seqlens, cu_seqlens_list
+from .checks import DTYPES, check_blocks, check_head_dims, check_same_dtype, cmp_cu_seqlens, cu_seqlens_list
 
 Compressor = Callable[[torch.Tensor], torch.Tensor]
 
@@ -53,6 +53,7 @@ def compress_kv(
     T, N2, _ = k.shape
     _checks.check_shape("v", v, [("T", T), ("N2", N2), ("Dv", -1)])
     _checks.check_same_device(k=k, v=v)
+    check_head_dims(k=k, v=v)
     l, d = check_blocks(block_size, stride)
     if compressor is None or callable(compressor):
         phi_k = phi_v = compressor

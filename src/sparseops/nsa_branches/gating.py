@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _checks
 from .._numerics import acc_dtype, row_dot
 
 
@@ -36,6 +37,20 @@ class _GatedSum(torch.autograd.Function):
 def gated_sum(gates: torch.Tensor, *outs: torch.Tensor) -> torch.Tensor:
     """``sum_c gates[..., c:c+1] * outs[c]`` for ``gates [..., C]`` and C tensors ``[..., D]`` of one dtype and
     shape; differentiable in all of them."""
-    if gates.shape[-1] != len(outs):
-        raise ValueError(f"gates: expected {len(outs)} columns (one per output), got {gates.shape[-1]}")
+    gates = _checks.check_tensor("gates", gates)
+    if gates.dim() == 0 or gates.shape[-1] != len(outs):
+        raise ValueError(f"gates: expected {len(outs)} columns (one per output), got shape "
+                         f"{_checks.fmt_shape(gates.shape)}")
+    if not outs:
+        raise ValueError("outs: expected at least one output to sum, got none")
+    for c, o in enumerate(outs):
+        o = _checks.check_tensor(f"outs[{c}]", o, ndim=gates.dim())
+        if o.shape != outs[0].shape:
+            raise ValueError(f"outs[{c}]: expected the shape of outs[0] {_checks.fmt_shape(outs[0].shape)}, got "
+                             f"{_checks.fmt_shape(o.shape)}")
+    _checks.check_same_device(gates=gates, **{f"outs[{c}]": o for c, o in enumerate(outs)})
+    if gates.shape[:-1] != outs[0].shape[:-1]:
+        want = [*outs[0].shape[:-1], len(outs)]
+        raise ValueError(f"gates: expected shape {_checks.fmt_shape(want)} (the outputs' leading dimensions), got "
+                         f"{_checks.fmt_shape(gates.shape)}")
     return _GatedSum.apply(gates, *outs)

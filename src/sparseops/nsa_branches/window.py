@@ -6,7 +6,7 @@ import torch
 
 from .. import _checks
 from . import chunked_attention as _ca
-from .checks import DTYPES, check_heads, check_same_dtype, check_scale, cu_seqlens_list
+from .checks import DTYPES, check_head_dims, check_heads, check_same_dtype, check_scale, cu_seqlens_list
 
 
 def sliding_window_attention(
@@ -45,6 +45,7 @@ def sliding_window_attention(
     _checks.check_shape("k", k, [("T", T), ("N2", -1), ("Dqk", Dqk)])
     _checks.check_shape("v", v, [("T", T), ("N2", k.shape[1]), ("Dv", -1)])
     check_heads("q", q, "k", k)
+    check_head_dims(q=q, v=v)
     _checks.check_same_device(q=q, k=k, v=v)
     w = _checks.check_int("window", window, lo=1)
     scale = check_scale(scale, Dqk)
