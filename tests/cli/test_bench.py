@@ -96,6 +96,15 @@ def test_bench_runs_a_subject_main(fake_repo, tmp_path, capsys, fail):
     assert str(out / "moe.json") in text and str(out / "moe.png") in text
 
 
+def test_bench_out_that_cannot_be_written_is_a_usage_error(fake_repo, tmp_path, capsys):
+    """--out under a file: exit 2 naming --out before any subject runs (each would fail, exit 1)."""
+    repo = fake_repo()
+    (tmp_path / "a-file").write_text("")
+    assert cli.main(["bench", "--op", "moe", "--smoke", "--out", str(tmp_path / "a-file" / "o"), "--repo", str(repo)]) == 2
+    captured = capsys.readouterr()
+    assert "--out: expected a directory that can be written" in captured.err and "== benchmarks" not in captured.out
+
+
 def test_bench_default_output_is_the_working_directory(fake_repo, tmp_path, capsys):
     """A user's run lands in ./sparseops-results/ (ignored by git), never in the repository's records;
     a second run names how long the last one of the same mode took."""

@@ -61,3 +61,18 @@ def test_bad_arguments_write_nothing(tmp_path, argv, match):
     with pytest.raises(SystemExit, match=match):
         demo.run(_args(*argv, "--out", str(tmp_path / "o")))
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("flag, target, match", [
+    ("--out", "a-file/o", "--out: expected a directory that can be written"),  # a file where a folder goes
+    ("--json", "a-dir", "--json: expected a file path"),  # a folder where the file goes
+    ("--json", "a-file/r.json", "--json: expected a directory that can be written"),
+], ids=["out-under-a-file", "json-is-a-folder", "json-under-a-file"])
+def test_unwritable_outputs_fail_before_training(tmp_path, monkeypatch, flag, target, match):
+    """Refused before the first step (the results are written after the last one), nothing created."""
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "a-dir").mkdir()
+    monkeypatch.setattr(demo, "_train_all", lambda *a, **k: pytest.fail("trained before checking " + flag))
+    with pytest.raises(SystemExit, match=match):
+        demo.run(_args("--quick", flag, str(tmp_path / target)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-dir", "a-file"]

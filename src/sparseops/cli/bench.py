@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ._flags import check_out_dir
 from ._progress import fmt_duration
 
 HELP = "side-by-side benchmarks vs the peers (needs a source checkout: its benchmarks/ folder)"
@@ -180,6 +181,8 @@ def written_files(out: Path, name: str, since: float) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     names = list(SUBJECTS) if args.op == "all" else [args.op]
     mods = [(n, load_benchmark(n, args.repo)) for n in names]  # fail before running anything
+    if args.out:
+        check_out_dir("sparseops bench", "--out", args.out)
     mode = "smoke" if args.smoke else ("quick" if args.quick else "full")
     status = 0
     for name, mod in mods:

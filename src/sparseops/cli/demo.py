@@ -184,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..models.train import demo_setup
+    from ._flags import check_out_dir, check_out_file
 
     for name, lo in (("steps", 1), ("ep", 0), ("threads", 1)):
         v = getattr(args, name)
@@ -201,6 +202,10 @@ def run(args: argparse.Namespace) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = Path(args.out) if args.out else Path.cwd() / DEFAULT_OUT
     json_path = Path(args.json) if args.json else out / "demo.json"
+    # before training, not after it: the results are written at the end
+    check_out_dir("sparseops demo", "--out", out)
+    if args.json:
+        check_out_file("sparseops demo", "--json", json_path)
     print(f"sparseops demo: {train_cfg.steps} steps x {train_cfg.batch_size} sequences of {task.seq_len} tokens, "
           f"{args.dtype} on {device}" + (", torch.compile" if args.compile else "")
           + (f"; then EP = {ep} over gloo ({args.ep_mode}, {args.dispatcher})" if ep >= 2 else ""), flush=True)
