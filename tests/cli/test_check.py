@@ -126,6 +126,14 @@ def test_check_device_cuda_without_cuda_is_a_clear_error(capsys):
     assert "no CUDA device" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1], ids=["past-uint64", "below-int64"])
+def test_check_seed_torch_refuses_is_a_usage_error(seed, capsys):
+    """Refused before the first row (torch.Generator would fail every row with an overflow, exit 1)."""
+    assert cli.main(["check", "--tiny", "--op", "moe", "--seed", str(seed)]) == 2
+    captured = capsys.readouterr()
+    assert "--seed: expected an int in" in captured.err and str(seed) in captured.err
+    assert "checks, backends" not in captured.out
+
 
 
 def test_check_says_what_runs_before_the_first_row(capsys):

@@ -49,9 +49,9 @@ def test_quick_run_schema_and_ep(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, match", [(("--steps", "0"), "--steps"), (("--ep", "3"), "--ep"),
-                                         (("--threads", "0"), "--threads"),
+                                         (("--threads", "0"), "--threads"), (("--seed", str(2**64)), "--seed"),
                                          (("--ep-mode", "model"), None), (("--dispatcher", "ring"), None)],
-                         ids=["no-steps", "ep-not-dividing", "no-threads", "bad-ep-mode", "bad-dispatcher"])
+                         ids=["no-steps", "ep-not-dividing", "no-threads", "seed-past-torch", "bad-ep-mode", "bad-dispatcher"])
 def test_bad_arguments_write_nothing(tmp_path, argv, match):
     if match is None:  # argparse's choices reject it (exit status 2) before anything runs
         with pytest.raises(SystemExit) as exc:

@@ -129,7 +129,9 @@ def plan_checks(args: argparse.Namespace, backends: list[str], device) -> list[t
 def run(args: argparse.Namespace) -> int:
     print("sparseops check: importing torch and the ops ...", file=sys.stderr, flush=True)
     from ._check_common import DTYPE_NAMES
+    from ._flags import check_seed
 
+    check_seed("sparseops check", args.seed)
     device = check_device(args.device)
     backends, notes = available_backends(args.backend, device)
     plan = plan_checks(args, backends, device)

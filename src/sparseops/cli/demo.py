@@ -184,12 +184,13 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..models.train import demo_setup
-    from ._flags import check_out_dir, check_out_file
+    from ._flags import check_out_dir, check_out_file, check_seed
 
     for name, lo in (("steps", 1), ("ep", 0), ("threads", 1)):
         v = getattr(args, name)
         if v is not None and v < lo:
             raise SystemExit(f"sparseops demo: --{name}: expected an int >= {lo}, got {v}")
+    check_seed("sparseops demo", args.seed)
     task, model_cfg, train_cfg = demo_setup(quick=args.quick, steps=args.steps, seed=args.seed)
     ep = args.ep if args.ep is not None else (0 if args.quick else 2)
     if ep >= 2 and model_cfg.num_experts % ep:
