@@ -52,6 +52,10 @@ def test_fit_shape_that_does_not_fit_returns_1(capsys):
     (["--dtype", "fp32", "--block-count", "0"], "selected_block_count"),
     (["--dqk", "-5"], "Dqk: expected >= 1, got -5"),  # a negative dim: a usage error, not a traceback
     (["-G", "-1"], "G: expected >= 1, got -1"),
+    # past a limit: refused before the example tensors are allocated (they would take terabytes)
+    (["--kv-heads", "100000000"], "N2: expected <= 65535, got 100000000"),
+    (["--block-count", "100000000"], "selected_block_count: expected <= 128"),
+    (["-G", "100000"], "G = N1 / N2 <= 32"),
 ])
 def test_fit_bad_shape_is_a_usage_error(args, message, capsys):
     _compiled_triton()

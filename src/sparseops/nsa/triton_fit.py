@@ -38,13 +38,22 @@ def compile_report(arch: int, *, G: int, N2: int = 1, Dqk: int, Dv: int, bs: int
     for name, n in (("G", G), ("N2", N2), ("Dqk", Dqk), ("Dv", Dv), ("selected_block_size", bs),
                     ("selected_block_count", K)):
         _checks.check_int(name, n, lo=1)  # before sizing the example tensors with them
+    # the launch grid's second dimension is N2, at most 65535 on CUDA: past that no launch exists to compile
+    _checks.check_int("N2", N2, hi=65535)
     seqs = [3 * max(bs, 16) // 2, 5]  # a partial last key block, a second sequence
     T = sum(seqs)
-    q = torch.zeros(T, N2 * G, Dqk, dtype=dtype)
-    k = torch.zeros(T, N2, Dqk, dtype=dtype)
-    v = torch.zeros(T, N2, Dv, dtype=dtype)
-    topk = torch.zeros(T, N2, K, dtype=torch.int32)
     cum = [seqs[0], T]
+
+    def example(device):
+        q = torch.zeros(T, N2 * G, Dqk, dtype=dtype, device=device)
+        k = torch.zeros(T, N2, Dqk, dtype=dtype, device=device)
+        v = torch.zeros(T, N2, Dv, dtype=dtype, device=device)
+        return q, k, v, torch.zeros(T, N2, K, dtype=torch.int32, device=device)
+
+    # the op's checks on storage-less tensors first: a shape they refuse (G, Dqk or K past its limit) is an
+    # error, not an allocation of its example tensors
+    checks.check_args(*example("meta"), 1.0, N2 * G, bs, K, None, cum, cum, 2 if causal else 0, "TND", False)
+    q, k, v, topk = example("cpu")
     scale, bs, cu_q, cu_kv, causal, _ = checks.check_args(
         q, k, v, topk, 1.0, N2 * G, bs, K, None, cum, cum, 2 if causal else 0, "TND", True)
     out = torch.zeros(T, N2 * G, Dv, dtype=dtype)
