@@ -332,6 +332,8 @@ BAD_CALLS = [
     ("out-wrong-shape", _moe_bad(_set(8, lambda d, a: empty_like_poisoned((R, H), torch.float32))), ACLNN_ERR_INNER_TILING_ERROR, ["permutedTokensGradOut", f"[{N}, {H}]"]),
     ("out-broadcast-view", _moe_bad(_set(8, lambda d, a: torch.zeros(1, H).expand(N, H))), ACLNN_ERR_PARAM_INVALID, ["permutedTokensGradOut", "overlap"]),
     ("out-wrong-dtype", _moe_bad(_set(9, lambda d, a: empty_like_poisoned((T, K), torch.float16))), ACLNN_ERR_INNER_TILING_ERROR, ["probsGradOut", "float16"]),
+    ("outs-overlap", _moe_bad(_set(9, lambda d, a: a[8].view(-1)[: T * K].view(T, K))), ACLNN_ERR_PARAM_INVALID, ["probsGradOut", "overlaps", "permutedTokensGradOut"]),
+    ("nsa-stats-outs-same-tensor", _nsa_bad(_set(14, lambda d, a: a[13])), ACLNN_ERR_PARAM_INVALID, ["softmaxSumOut", "overlaps"]),
     ("nsa-null-query", _nsa_bad(_set(0, None)), ACLNN_ERR_PARAM_NULLPTR, ["query"]),
     ("nsa-null-out", _nsa_bad(_set(15, None)), ACLNN_ERR_PARAM_NULLPTR, ["attentionOut"]),
     ("nsa-float64-key", _nsa_bad(_set(1, lambda d, a: a[1].double())), ACLNN_ERR_PARAM_INVALID, ["key", "float64"]),

@@ -112,6 +112,13 @@ class Plan:
 
     def __post_init__(self):
         self._shapes = {n: (tuple(t.shape), t.dtype, t.device) for n, t in self.outs.items() if t is not None}
+        # two outs in the same memory: one result would silently overwrite the other
+        spans = [(n, _byte_span(t)) for n, t in self.outs.items() if t is not None and t.numel()]
+        for i, (a, (sa, lo_a, hi_a)) in enumerate(spans):
+            for b, (sb, lo_b, hi_b) in spans[i + 1:]:
+                if sa == sb and lo_a < hi_b and lo_b < hi_a:
+                    raise Fail(ACLNN_ERR_PARAM_INVALID, f"{b}: expected memory apart from {a}'s, got an out tensor "
+                               "that overlaps it")
 
     def run(self) -> None:
         """The op into the out tensors. The outs' shape, dtype and device are checked again first (phase 1
@@ -137,6 +144,14 @@ class Plan:
                 out[n:].zero_()
             else:
                 out.copy_(res)
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int, int]:
+    """``(storage, first byte, past the last byte)`` of the elements of a non-empty tensor."""
+    size = t.element_size()
+    first = t.storage_offset() * size
+    last = first + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) * size
+    return t.untyped_storage().data_ptr(), first, last + size
 
 
 class AclOpExecutor:
