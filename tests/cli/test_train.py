@@ -147,9 +147,10 @@ def test_config_argv_spells_out_every_setting():
     (1, ["--clip", "-1"], "--clip: expected a number > 0 .and finite., got -1.0"),
     (1, ["--weight-decay", "-0.1"], "--weight-decay: expected a number >= 0 .and finite., got -0.1"),
     (4, ["--top-k", "5"], "--top-k: expected at most num_experts = 4, got 5"),
+    (1, ["--seed", str(2**64)], "--seed: expected an int in .*, got 18446744073709551616"),
 ], ids=["world-mismatch", "replicate-not-dividing", "ep-not-dividing-shard", "ep-not-dividing-experts",
         "batch-not-dividing", "resume-nothing", "save-every-alone", "no-steps", "no-timeout", "task", "no-file",
-        "replicated-with-dp", "negative-clip", "negative-decay", "model"])
+        "replicated-with-dp", "negative-clip", "negative-decay", "model", "seed-past-torch"])
 def test_bad_flags_exit_2_before_any_collective(tmp_path, monkeypatch, capsys, world, extra, match):
     """torchrun's environment without a rendezvous behind it: a check after init_process_group would hang or fail
     otherwise (within the 5 s --comm-timeout, the rendezvous's timeout too); the message names the flag and nothing

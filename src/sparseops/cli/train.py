@@ -16,6 +16,8 @@ import os
 import sys
 from pathlib import Path
 
+from ._flags import SEED_MAX, SEED_MIN
+
 HELP = "train the NSA + MoE LM under torchrun (or in one process): layouts, DCP checkpoints, resume, faults"
 
 #: LMConfig fields that are not flags (the vocabulary comes from the data; the ablation is the demo's)
@@ -165,6 +167,8 @@ def build_spec(args: argparse.Namespace, world: int):
         raise _Bad(f"--clip: expected a number > 0 (and finite), got {args.clip}")
     if args.weight_decay is not None and not 0 <= args.weight_decay < math.inf:
         raise _Bad(f"--weight-decay: expected a number >= 0 (and finite), got {args.weight_decay}")
+    if args.seed is not None and not SEED_MIN <= args.seed <= SEED_MAX:  # torch's generators take no other
+        raise _Bad(f"--seed: expected an int in [{SEED_MIN}, {SEED_MAX}], got {args.seed}")
     if args.save_every is not None and args.save is None:
         raise _Bad("--save-every: expected --save DIR with it, got no --save")
     if args.vocab_size is not None and args.data is None:
