@@ -47,14 +47,14 @@ def test_fit_shape_that_does_not_fit_returns_1(capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--block-size", "63"], "selected_block_size: expected 1, 2, 4, 8 or a multiple of 16 in [16, 128], got 63"),
+    (["--block-size", "63"], "--block-size: selected_block_size: expected 1, 2, 4, 8 or a multiple of 16 in [16, 128], got 63"),
     (["--dv", "256"], "value"),  # Dv > Dqk
     (["--dtype", "fp32", "--block-count", "0"], "selected_block_count"),
-    (["--dqk", "-5"], "Dqk: expected >= 1, got -5"),  # a negative dim: a usage error, not a traceback
-    (["-G", "-1"], "G: expected >= 1, got -1"),
+    (["--dqk", "-5"], "--dqk: Dqk: expected >= 1, got -5"),  # a negative dim: a usage error, not a traceback
+    (["-G", "-1"], "-G: G: expected >= 1, got -1"),
     # past a limit: refused before the example tensors are allocated (they would take terabytes)
-    (["--kv-heads", "100000000"], "N2: expected <= 65535, got 100000000"),
-    (["--block-count", "100000000"], "selected_block_count: expected <= 128"),
+    (["--kv-heads", "100000000"], "--kv-heads: N2: expected <= 65535, got 100000000"),
+    (["--block-count", "100000000"], "--block-count: selected_block_count: expected <= 128"),
     (["-G", "100000"], "G = N1 / N2 <= 32"),
 ])
 def test_fit_bad_shape_is_a_usage_error(args, message, capsys):

@@ -11,6 +11,9 @@ import sys
 HELP = "will the NSA Triton kernels fit a GPU at a shape (compiled offline, no GPU needed)"
 
 DTYPES = ("bf16", "fp16", "fp32")
+#: the op's name of each shape parameter (its checks' messages start with it) -> the flag that sets it
+FLAGS = {"G": "-G", "N2": "--kv-heads", "Dqk": "--dqk", "Dv": "--dv", "selected_block_size": "--block-size",
+         "selected_block_count": "--block-count"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         rows = triton_fit.compile_report(arch, **shape, dtype=dtype, causal=not args.no_causal)
     except (ValueError, TypeError) as e:
-        print(f"sparseops fit: {e}", file=sys.stderr)
+        flag = FLAGS.get(str(e).split(":", 1)[0])
+        print(f"sparseops fit: {f'{flag}: ' if flag else ''}{e}", file=sys.stderr)
         return 2
     print(f"NSA selected attention, {args.dtype}, " + ", ".join(f"{k}={v}" for k, v in shape.items())
           + f", {'not ' if args.no_causal else ''}causal: compiled for sm_{arch} ({_triton.GPU_NAMES[arch]}, "
