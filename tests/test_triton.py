@@ -73,6 +73,18 @@ def test_other_resources_are_not_retried():
     assert k.tries == [2]  # fewer stages do not give more threads
 
 
+def test_a_grid_past_cudas_limits_does_not_fit():
+    """A grid CUDA cannot launch (N2 > 65535 KV heads on the NSA kernels' axis 1) is DoesNotFit, before any try
+    (``backend="auto"`` then runs the torch path), on every device alike."""
+    k = _Kernel("k_grid", fits=9)
+    with pytest.raises(_triton.DoesNotFit, match="k_grid: N2=70000 needs 70000 programs along grid axis 1, CUDA "
+                       "launches at most 65535"):
+        _triton.launch(k, (4, 70000), torch.device("cpu"), {}, num_warps=4, num_stages=2, shape="N2=70000")
+    assert k.tries == []
+    _triton.launch(k, (4, 65535, 1), torch.device("cpu"), {}, num_warps=4, num_stages=2)
+    assert k.tries == [2]
+
+
 @pytest.mark.parametrize("arch", [90, 100, 80, 120])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64],
                          ids=["bf16", "fp16", "fp32", "fp64"])

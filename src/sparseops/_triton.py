@@ -38,7 +38,8 @@ _NO_FIT: dict = {}
 
 
 class DoesNotFit(ValueError):
-    """A kernel needs more of a per-program resource (shared memory) than the device has, even unpipelined.
+    """A kernel needs more of a per-program resource (shared memory) than the device has, even unpipelined, or a
+    grid larger than CUDA launches (:data:`GRID_LIMITS`).
 
     ``backend="auto"`` catches it and runs the op's torch path instead; an explicit ``backend="triton"`` gets it."""
 
@@ -147,6 +148,10 @@ def _compile_offline(kernel, grid, args: dict, opts: dict, meta: dict, shape: st
     ))
 
 
+#: the most programs along each grid axis that CUDA launches (x, y, z)
+GRID_LIMITS = (2**31 - 1, 65535, 65535)
+
+
 def launch(kernel, grid, device: torch.device, args: dict, *, num_warps: int, num_stages: int | None = None,
            shape: str = "", **meta) -> None:
     """``kernel[grid](**args, num_warps=..., num_stages=..., **meta)`` on ``device``.
@@ -156,6 +161,10 @@ def launch(kernel, grid, device: torch.device, args: dict, *, num_warps: int, nu
     tiles, for the error message (e.g. ``"selected_block_size=128, Dqk=256, Dv=256"``)."""
     from triton.runtime.errors import OutOfResources
 
+    for axis, (n, most) in enumerate(zip(grid, GRID_LIMITS)):
+        if n > most:  # checked everywhere (the interpreter would run it), so a shape behaves as it would on a GPU
+            raise DoesNotFit(f"{getattr(kernel, '__name__', repr(kernel))}: {shape or 'this shape'} needs {n} programs "
+                             f"along grid axis {axis}, CUDA launches at most {most}; use backend='torch'")
     where = f"offline-sm_{_OFFLINE[0]}" if _OFFLINE is not None else str(device)
     key = (getattr(kernel, "__name__", repr(kernel)), where, num_warps, num_stages,
            tuple(sorted((k, str(v)) for k, v in meta.items())))
