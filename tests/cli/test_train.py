@@ -196,7 +196,7 @@ def _tree(root: Path) -> list[str]:
     (["--resume", "{ck}", "--weight-decay", "0.1"], r"--weight-decay: expected the checkpoint's 0.0 with --resume"),
     (["--save", "{ck}"], "--save: expected a directory with no complete checkpoint after step 0 .*holding step_2, step_4"),
     (["--resume", "{saved}/two", "--save", "{ck}"], "--save: expected .* after step 2 .*holding step_4; resume"),
-    (["--save", "{saved}/t.bin"], "--save: expected a directory that can be written, got .*t.bin', a file"),
+    (["--save", "{saved}/t.bin"], "--save: expected a directory that can be written, got .*t.bin' .*t.bin' is a file."),
     (["--json", "{saved}"], "--json: expected a file path, got .*, a directory"),
     (["--resume", "{ck}", "--steps", "3"], "--steps: expected at least the resumed step 4 .*, got 3"),
 ], ids=["experts", "hidden", "data-kind", "lr", "weight-decay", "save-over-later", "resume-save-over-later",

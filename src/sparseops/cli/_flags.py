@@ -1,5 +1,6 @@
-"""Flag checks the subcommands share, each a ``SystemExit`` with a one-line message naming the flag (exit
-status 2), made before any work: a seed torch accepts, an output folder that can be written."""
+"""Flag checks the subcommands share, made before any work: a seed torch accepts, an output folder or file that
+can be written. ``check_*`` exit (``SystemExit``: status 2, one line naming the command and the flag); ``sparseops
+train``, which reports on rank 0 only, takes the ``*_problem`` answers."""
 
 from __future__ import annotations
 
@@ -10,29 +11,47 @@ from pathlib import Path
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 2**32
 
 
-def check_seed(prog: str, seed: int) -> None:
+def seed_problem(seed: int) -> str | None:
+    """What is wrong with ``--seed``, or None."""
     if not SEED_MIN <= seed <= SEED_MAX:
-        raise SystemExit(f"{prog}: --seed: expected an int in [{SEED_MIN}, {SEED_MAX}], got {seed}")
+        return f"--seed: expected an int in [{SEED_MIN}, {SEED_MAX}], got {seed}"
+    return None
 
 
-def check_out_dir(prog: str, flag: str, folder: str | os.PathLike) -> None:
-    """``folder`` is a directory that can be written, or can be created: its nearest existing ancestor is a
-    writable directory. Creates nothing (a run that fails another check leaves no folder behind)."""
+def out_dir_problem(flag: str, folder: str | os.PathLike) -> str | None:
+    """What keeps ``folder`` from being written or created (its nearest existing ancestor is a file, or not
+    writable), or None. Creates nothing (a run that fails another check leaves no folder behind)."""
     folder = Path(folder)
     probe = folder
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
-    if not probe.is_dir():
-        raise SystemExit(f"{prog}: {flag}: expected a directory that can be written, got {os.fspath(folder)!r} "
-                         f"({os.fspath(probe)!r} is a file)")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise SystemExit(f"{prog}: {flag}: expected a directory that can be written, got {os.fspath(folder)!r} "
-                         f"({os.fspath(probe)!r} is not writable)")
+    why = "is a file" if not probe.is_dir() else None if os.access(probe, os.W_OK | os.X_OK) else "is not writable"
+    if why is None:
+        return None
+    return f"{flag}: expected a directory that can be written, got {os.fspath(folder)!r} ({os.fspath(probe)!r} {why})"
+
+
+def out_file_problem(flag: str, path: str | os.PathLike) -> str | None:
+    """What keeps ``path`` from being written as a file (a directory, or a folder :func:`out_dir_problem` refuses),
+    or None."""
+    path = Path(path)
+    if path.is_dir():
+        return f"{flag}: expected a file path, got {os.fspath(path)!r}, a directory"
+    return out_dir_problem(flag, path.parent)
+
+
+def _exit(prog: str, problem: str | None) -> None:
+    if problem is not None:
+        raise SystemExit(f"{prog}: {problem}")
+
+
+def check_seed(prog: str, seed: int) -> None:
+    _exit(prog, seed_problem(seed))
+
+
+def check_out_dir(prog: str, flag: str, folder: str | os.PathLike) -> None:
+    _exit(prog, out_dir_problem(flag, folder))
 
 
 def check_out_file(prog: str, flag: str, path: str | os.PathLike) -> None:
-    """``path`` is a file that can be written: not a directory, in a folder :func:`check_out_dir` accepts."""
-    path = Path(path)
-    if path.is_dir():
-        raise SystemExit(f"{prog}: {flag}: expected a file path, got {os.fspath(path)!r}, a directory")
-    check_out_dir(prog, flag, path.parent)
+    _exit(prog, out_file_problem(flag, path))

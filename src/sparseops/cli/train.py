@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from ._flags import SEED_MAX, SEED_MIN
+from ._flags import out_dir_problem, out_file_problem, seed_problem
 
 HELP = "train the NSA + MoE LM under torchrun (or in one process): layouts, DCP checkpoints, resume, faults"
 
@@ -167,8 +167,9 @@ def build_spec(args: argparse.Namespace, world: int):
         raise _Bad(f"--clip: expected a number > 0 (and finite), got {args.clip}")
     if args.weight_decay is not None and not 0 <= args.weight_decay < math.inf:
         raise _Bad(f"--weight-decay: expected a number >= 0 (and finite), got {args.weight_decay}")
-    if args.seed is not None and not SEED_MIN <= args.seed <= SEED_MAX:  # torch's generators take no other
-        raise _Bad(f"--seed: expected an int in [{SEED_MIN}, {SEED_MAX}], got {args.seed}")
+    problem = seed_problem(args.seed) if args.seed is not None else None  # what torch's generators take
+    if problem:
+        raise _Bad(problem)
     if args.save_every is not None and args.save is None:
         raise _Bad("--save-every: expected --save DIR with it, got no --save")
     if args.vocab_size is not None and args.data is None:
@@ -279,14 +280,16 @@ def check_outputs(args: argparse.Namespace, rank: int) -> None:
     checkpoint after S steps or at the end of the run. The last check: nothing is created when another fails."""
     import tempfile
 
-    targets = [("--save", Path(args.save))] if args.save is not None else []
+    targets, problems = [], []
+    if args.save is not None:
+        targets.append(("--save", Path(args.save)))
+        problems.append(out_dir_problem("--save", args.save))
     if args.json is not None and rank == 0:
-        if Path(args.json).is_dir():
-            raise _Bad(f"--json: expected a file path, got {args.json!r}, a directory")
         targets.append(("--json", Path(args.json).parent))
-    for flag, folder in targets:
-        if folder.exists() and not folder.is_dir():
-            raise _Bad(f"{flag}: expected a directory that can be written, got {os.fspath(folder)!r}, a file")
+        problems.append(out_file_problem("--json", args.json))
+    for problem in filter(None, problems):
+        raise _Bad(problem)
+    for flag, folder in targets:  # and by writing there (a check of the mode bits says yes to root)
         try:
             folder.mkdir(parents=True, exist_ok=True)
             fd, probe = tempfile.mkstemp(prefix=".sparseops-write-check-", dir=folder)
