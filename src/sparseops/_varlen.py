@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ._checks import check_has_data
+
 
 def int_list(name: str, cu) -> list[int]:
     """A 1-D integer tensor or a list/tuple of ints -> Python ints (``TypeError`` naming ``name`` otherwise)."""
@@ -15,8 +17,7 @@ def int_list(name: str, cu) -> list[int]:
         if cu.dim() != 1 or cu.dtype.is_floating_point or cu.dtype == torch.bool or cu.is_complex():
             raise TypeError(f"{name}: expected a 1-D integer tensor or a list of ints, got a {cu.dim()}-D "
                             f"{str(cu.dtype).replace('torch.', '')} tensor")
-        if cu.device.type == "meta":
-            raise ValueError(f"{name}: expected a tensor with data, got one on the meta device")
+        check_has_data(name, cu)
         return [int(x) for x in cu.tolist()]
     if isinstance(cu, (list, tuple)):
         for x in cu:
