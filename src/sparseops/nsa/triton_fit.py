@@ -38,8 +38,8 @@ def compile_report(arch: int, *, G: int, N2: int = 1, Dqk: int, Dv: int, bs: int
     for name, n in (("G", G), ("N2", N2), ("Dqk", Dqk), ("Dv", Dv), ("selected_block_size", bs),
                     ("selected_block_count", K)):
         _checks.check_int(name, n, lo=1)  # before sizing the example tensors with them
-    # the launch grid's second dimension is N2, at most 65535 on CUDA: past that no launch exists to compile
-    _checks.check_int("N2", N2, hi=65535)
+    # the launch grid's second axis is N2: past CUDA's limit there no launch exists to compile
+    _checks.check_int("N2", N2, hi=_triton.GRID_LIMITS[1])
     seqs = [3 * max(bs, 16) // 2, 5]  # a partial last key block, a second sequence
     T = sum(seqs)
     cum = [seqs[0], T]
@@ -50,12 +50,11 @@ def compile_report(arch: int, *, G: int, N2: int = 1, Dqk: int, Dv: int, bs: int
         v = torch.zeros(T, N2, Dv, dtype=dtype, device=device)
         return q, k, v, torch.zeros(T, N2, K, dtype=torch.int32, device=device)
 
-    # the op's checks on storage-less tensors first: a shape they refuse (G, Dqk or K past its limit) is an
-    # error, not an allocation of its example tensors
-    checks.check_args(*example("meta"), 1.0, N2 * G, bs, K, None, cum, cum, 2 if causal else 0, "TND", False)
-    q, k, v, topk = example("cpu")
+    # the op's checks on storage-less tensors (the example's block ids are all valid): a shape they refuse (G, Dqk
+    # or K past its limit) is an error, not an allocation of its example tensors
     scale, bs, cu_q, cu_kv, causal, _ = checks.check_args(
-        q, k, v, topk, 1.0, N2 * G, bs, K, None, cum, cum, 2 if causal else 0, "TND", True)
+        *example("meta"), 1.0, N2 * G, bs, K, None, cum, cum, 2 if causal else 0, "TND", False)
+    q, k, v, topk = example("cpu")
     out = torch.zeros(T, N2 * G, Dv, dtype=dtype)
     m, l = torch.zeros(T, N2 * G), torch.ones(T, N2 * G)
     rows = []
