@@ -10,7 +10,8 @@ ranks that hold the same experts) and runs the call with the local parameters. P
 3. the dispatcher moves the rows: ``"alltoall"`` (``"sparseops"``, ``"sparseops_alltoall"``) or the CANN
    range window ``"allgather"`` (``"sparseops_allgather"``); both differentiable, k-sums in fp32;
 4. the local experts run on expert-sorted rows: the sparseops grouped GEMMs when the module's
-   ``experts_implementation`` is ``"sparseops"``, else the module's own experts forward (top-1, unit weights);
+   ``experts_implementation`` is ``"sparseops"`` and its class runs the decorated forward, else the module's
+   own experts forward (top-1, unit weights; a subclass's forward such as ErgoExperts' per-expert norm);
 5. with a shared batch, the slices are gathered back (``gather_rows``).
 
 docs/transformers.md.
@@ -60,8 +61,12 @@ class SparseopsEP(EPImplementation):
     def _run_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         module = self.experts
         impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
-        if impl == NAME and unsupported_reason(module, rows, rows.new_zeros(rows.shape[0], 1, dtype=torch.int64),
-                                               rows.new_ones(rows.shape[0], 1), {}) is None:
+        # a subclass that overrides the decorated forward (ErgoExperts: a per-expert norm of each route) runs
+        # its own forward below, which reaches the sparseops experts through its call of the decorated one
+        decorated = hasattr(type(module).forward, "__wrapped__")
+        if impl == NAME and decorated and unsupported_reason(
+                module, rows, rows.new_zeros(rows.shape[0], 1, dtype=torch.int64), rows.new_ones(rows.shape[0], 1),
+                {}) is None:
             return experts_rows(module, rows, counts)
         if rows.shape[0] == 0:
             # an eager forward returns fresh zeros for no rows: one stand-in row keeps the weights and the
