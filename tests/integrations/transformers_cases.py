@@ -36,15 +36,26 @@ def _shrink(cfg) -> None:
             setattr(cfg, key, SMALL["ffn"])
 
 
+#: a per-layer SwiGLU clamp (Step3p7, BailingHybrid: ``gate.clamp(max=l)``, ``up.clamp(-l, l)`` in their
+#: ``_apply_gate``) set low enough that the sweep's random activations (about 2 in size) are clipped
+SWIGLU_LIMIT = 1.0
+
+
 def build_experts(cls, configs, dtype=torch.float64, seed=0):
-    """The experts module of ``cls`` from the first of ``configs`` it builds from, shrunk, parameters random."""
+    """The experts module of ``cls`` from the first of ``configs`` it builds from, shrunk, parameters random;
+    built as layer 0 where the class takes a ``layer_idx`` (per-layer settings such as SwiGLU limits)."""
     errors = []
     for config_cls in configs:
         try:
             cfg = config_cls()
             _shrink(cfg)
+            if hasattr(cfg, "swiglu_limits"):
+                cfg.swiglu_limits = [SWIGLU_LIMIT] * max(1, getattr(cfg, "num_hidden_layers", 1))
             init = getattr(cls.__init__, "__wrapped__", cls.__init__)
-            extra = {"intermediate_size": SMALL["ffn"]} if "intermediate_size" in inspect.signature(init).parameters else {}
+            params = inspect.signature(init).parameters
+            extra = {"intermediate_size": SMALL["ffn"]} if "intermediate_size" in params else {}
+            if "layer_idx" in params:
+                extra["layer_idx"] = 0
             module = cls(cfg, **extra)
         except Exception as exc:  # not this config class
             errors.append(f"{config_cls.__name__}: {type(exc).__name__}: {exc}")
@@ -164,7 +175,7 @@ _FULL2 = ["full_attention", "full_attention"]
 #: per-family fixes on top of _MODEL_FIELDS: at least one MoE layer in two, valid rope sections for the tiny
 #: heads, no linear-attention layer where it needs flash-linear-attention's Triton kernels (no CPU path)
 MODEL_FIXES = {
-    "bailing_hybrid": {"layer_types": _FULL2},
+    "bailing_hybrid": {"layer_types": _FULL2, "swiglu_limits": [0.05, 0.05]},  # the clamp clips some activations
     "beam": {"mlp_layer_types": ["dense", "sparse"]},
     "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},
     "diffusion_gemma": {"text_config": {"enable_moe_block": True}},
@@ -180,6 +191,7 @@ MODEL_FIXES = {
                                                      "mrope_section": [2, 1, 1]}}},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 1, "expert_layer_offset": 0},
     "kimi_linear": {"layer_types": _FULL2},
+    "kolibri1_1": {"head_dim": 16, "index_num_heads": 2},  # NVFP4 rounds keys and values in blocks of 16
     "lara_mini": {"layer_types": _FULL2},
     "lfm2_moe": {"num_dense_layers": 1, "layer_types": ["conv", "full_attention"]},
     "mistral_large4": {"text_config": {"max_position_embeddings": 1048576}},  # the YaRN factor's ratio
@@ -190,6 +202,8 @@ MODEL_FIXES = {
     "qwen4_exp": {"layer_types": ["indexed_attention", "indexed_attention"], "indexer_n_heads": 2,
                   "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 8, "indexer_compress_ratio": 2,
                   "hc_lowrank": 8},
+    "step3p7": {"text_config": {"mlp_layer_types": ["dense", "sparse"], "swiglu_limits": [0.5, 0.5],
+                                "sliding_window": 8}},  # its masks are built for sliding layers too
     "zaya": {"num_experts_per_tok": 1},  # the only value ZAYA takes
 }
 #: the model class when it is not the family's first *ForCausalLM / *ForConditionalGeneration / ...
@@ -254,4 +268,9 @@ def tiny_family_model(family: str, seed: int = 0):
 
 
 def experts_modules(model) -> list:
-    return [m for m in model.modules() if hasattr(type(m).forward, "__wrapped__") and hasattr(m, "has_gate")]
+    """The modules of a decorated experts class, or of a subclass of one that wraps its forward (ErgoExperts
+    repeats each token per route, then calls the decorated forward)."""
+    def decorated(cls):
+        return any(hasattr(c.__dict__.get("forward"), "__wrapped__") for c in cls.__mro__)
+
+    return [m for m in model.modules() if decorated(type(m)) and hasattr(m, "has_gate")]
