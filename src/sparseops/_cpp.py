@@ -44,6 +44,11 @@ def _cpu_tag() -> bytes:
     return (flags or platform.processor() or platform.machine()).encode()
 
 
+def _ninja() -> str | None:
+    """ninja on PATH, or beside this interpreter (a venv's ninja package when the venv is not activated)."""
+    return shutil.which("ninja") or shutil.which("ninja", path=os.path.dirname(sys.executable))
+
+
 class Extension:
     """One C++ source built on first use: :meth:`module` returns it, or None when it cannot be built."""
 
@@ -52,18 +57,44 @@ class Extension:
         self.state: dict = {"module": None, "failed": None}
         self._lock = threading.Lock()
 
+    def build_name(self) -> str:
+        """The extension's name: a hash of the sources, the CPU's flags and the torch version."""
+        text = self.source.read_bytes() + b"".join(p.read_bytes() for p in sorted(_CSRC.glob("*.h")))
+        tag = hashlib.sha256(text + _cpu_tag() + torch.__version__.encode()).hexdigest()[:12]
+        return f"sparseops_{self.name}_{tag}"
+
+    def status(self) -> str:
+        """What a call would find, without building: ``built``, ``builds on first use``, ``off`` or why it
+        cannot be built (for ``sparseops info``)."""
+        from torch.utils.cpp_extension import get_default_build_root
+
+        if not enabled():
+            return "off (SPARSEOPS_CPU_KERNELS=0)"
+        if self.state["failed"] is not None:
+            return f"failed to build ({self.state['failed'][:120]})"
+        if self.state["module"] is not None:
+            return f"built ({Path(self.state['module'].__file__).parent})"
+        # torch's build folder: ROOT/NAME under TORCH_EXTENSIONS_DIR, else ROOT/<python and accelerator>/NAME
+        root, name = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()), self.build_name()
+        built = [*root.glob(f"{name}/*.so"), *root.glob(f"*/{name}/*.so")]
+        if built:
+            return f"built ({built[0].parent})"
+        cxx = os.environ.get("CXX", "c++")
+        missing = [tool for tool, found in ((cxx, shutil.which(cxx)), ("ninja", _ninja())) if found is None]
+        if missing:
+            return f"cannot be built here: no {' and no '.join(missing)} (the torch ops run instead)"
+        return "builds on first use (10-30 s, once per machine and torch)"
+
     def _build(self):
         from torch.utils.cpp_extension import load
 
-        text = self.source.read_bytes() + b"".join(p.read_bytes() for p in sorted(_CSRC.glob("*.h")))
-        tag = hashlib.sha256(text + _cpu_tag() + torch.__version__.encode()).hexdigest()[:12]
         path = os.environ.get("PATH")
         here = os.path.dirname(sys.executable)  # a venv's ninja (the pip package) when the venv is not activated
         moved = shutil.which("ninja") is None and shutil.which("ninja", path=here) is not None
         if moved:
             os.environ["PATH"] = here + os.pathsep + (path or "")
         try:
-            return load(name=f"sparseops_{self.name}_{tag}", sources=[str(self.source)],
+            return load(name=self.build_name(), sources=[str(self.source)],
                         extra_include_paths=[str(_CSRC)], extra_cflags=_FLAGS, verbose=False)
         finally:
             if moved:

@@ -27,6 +27,14 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+def _cpp_extensions() -> list:
+    """The C++ CPU kernels (``sparseops._cpp.Extension``), none built by asking."""
+    from sparseops import _cpu_attention
+    from sparseops.dsa import indexer
+
+    return [_cpu_attention.EXTENSION, indexer.EXTENSION]
+
+
 def info_lines() -> list[str]:
     """The lines ``sparseops info`` prints."""
     import torch
@@ -68,6 +76,7 @@ def info_lines() -> list[str]:
         f" (TRITON_INTERPRET={'1: kernels run on CPU tensors' if interp else '0'})",
         f"auto backend  cpu tensors -> {auto_pick('cpu')}; cuda tensors -> {auto_pick('cuda')}",
         f"cpu kernels   {_compile.status()}",
+        *(f"c++ kernels   {ext.what}: {ext.status()}" for ext in _cpp_extensions()),
         f"deterministic sparseops.is_deterministic()={sparseops.is_deterministic()}, "
         f"torch.are_deterministic_algorithms_enabled()={torch.are_deterministic_algorithms_enabled()}",
     ]
