@@ -33,13 +33,16 @@ from typing import Generic, TypeVar
 S = TypeVar("S")
 
 
-def _read(var: contextvars.ContextVar):
-    return var.get()
+def _reader(var: contextvars.ContextVar):
+    """A function of no arguments reading ``var``, marked as torch.compiler.assume_constant_result marks (without
+    importing torch._dynamo, slow, at import time): dynamo calls it when it traces and keeps the result as a
+    constant. No arguments: newer dynamo (torch 2.14) refuses a marked function whose arguments (a ContextVar)
+    it cannot turn into constants."""
+    def read():
+        return var.get()
 
-
-# what torch.compiler.assume_constant_result sets, without importing torch._dynamo (slow) at import time:
-# dynamo calls _read when it traces and keeps the result as a constant
-_read._dynamo_marked_constant = True
+    read._dynamo_marked_constant = True
+    return read
 
 
 class Settings(Generic[S]):
@@ -51,10 +54,11 @@ class Settings(Generic[S]):
         self._default = default
         self._var: contextvars.ContextVar[S] = contextvars.ContextVar(
             name or type(default).__name__, default=default)
+        self._read = _reader(self._var)
 
     def get(self) -> S:
         """The settings in force in this context (under ``torch.compile``: when the graph is traced)."""
-        return _read(self._var)
+        return self._read()
 
     @property
     def default(self) -> S:
