@@ -511,3 +511,14 @@ def _stalled(rank: int, world: int) -> str:
 def test_w2_layout_groups_time_out():
     got = spawn(_stalled, 2, timeout=60.0)[0]
     assert got.startswith("raised after") and float(got.split()[2]) < 5, got
+
+
+def test_parallelize_names_an_fsdp2_too_old(monkeypatch):
+    # torch < 2.8: FSDP2 without set_force_sum_reduction_for_comms; refused before any group or collective
+    from torch.distributed.fsdp import FSDPModule
+
+    monkeypatch.delattr(FSDPModule, "set_force_sum_reduction_for_comms")
+    with pytest.raises(RuntimeError, match=r"needs torch >= 2.8 \(FSDP2's "
+                                           r"FSDPModule.set_force_sum_reduction_for_comms\), got torch"):
+        parallelize(nn.Linear(2, 2), ParallelDims(dp_shard=1))
+    assert not dist.is_initialized()

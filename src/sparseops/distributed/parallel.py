@@ -260,6 +260,24 @@ def _owned(module: nn.Module, params: list) -> set | None:
     return {q for q in module.parameters() if id(q) in ids} or None
 
 
+def check_torch_fsdp2() -> None:
+    """Raise ``RuntimeError`` naming the torch version when its FSDP2 lacks what :func:`parallelize` calls:
+    ``fully_shard(ignored_params=...)`` (torch 2.7), ``set_gradient_divide_factor`` and
+    ``set_force_sum_reduction_for_comms`` (2.8)."""
+    import inspect
+
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    missing = [name for name, found in (
+        ("fully_shard(ignored_params=...)", "ignored_params" in inspect.signature(fully_shard).parameters),
+        ("FSDPModule.set_gradient_divide_factor", hasattr(FSDPModule, "set_gradient_divide_factor")),
+        ("FSDPModule.set_force_sum_reduction_for_comms", hasattr(FSDPModule, "set_force_sum_reduction_for_comms")),
+    ) if not found]
+    if missing:
+        raise RuntimeError(f"parallelize: needs torch >= 2.8 (FSDP2's {', '.join(missing)}), got torch "
+                           f"{torch.__version__}")
+
+
 def _fsdp_options(module, device_type: str, divide: float | None = None) -> None:
     if divide is not None:
         module.set_gradient_divide_factor(divide)
@@ -293,11 +311,12 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, data_parallel: str = "f
     Raises:
         ValueError: a layout that does not match the world, ``ddp_options`` not listed above (or with fsdp), an ``ep`` that does not divide ``dp_shard`` or a
             layer's E, MoE layers built with ``ep_group`` or ``replicated_tokens``, a second call; all before
-            any collective. TypeError: a model or dims of the wrong type.
+            any collective. TypeError: a model or dims of the wrong type. RuntimeError: a torch older than 2.8.
     """
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
+    check_torch_fsdp2()
     options = _check_ddp_options(ddp_options, data_parallel)
     dims, layers = _check(model, dims, data_parallel)
     device_type = _device_type(model)
