@@ -14,6 +14,13 @@ def test_info_prints_versions_and_backends(capsys):
     assert f"sparseops     {sparseops.__version__}" in out
     assert torch.__version__ in out
     assert "triton" in out and "python" in out
+    from importlib import metadata
+
+    try:
+        want = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        want = "not installed"
+    assert f"transformers  {want}" in out
     assert "cpu tensors -> torch" in out  # auto never picks triton for CPU tensors
     assert "deterministic" in out
 

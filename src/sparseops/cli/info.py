@@ -27,6 +27,16 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+def _dist_version(name: str) -> str:
+    """An installed distribution's version, without importing it, or ``not installed``."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def _cpp_extensions() -> list:
     """The C++ CPU kernels (``sparseops._cpp.Extension``), none built by asking."""
     from sparseops import _cpu_attention
@@ -59,6 +69,7 @@ def info_lines() -> list[str]:
         f"sparseops     {sparseops.__version__}  ({Path(sparseops.__file__).resolve().parent})",
         f"torch         {torch.__version__}",
         f"triton        {triton_version()}",
+        f"transformers  {_dist_version('transformers')} (the integrations: docs/transformers.md)",
         f"python        {platform.python_version()} ({sys.executable})",
         f"platform      {platform.platform()}",
         f"cpu           {cpu_model()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
