@@ -89,10 +89,10 @@ class Extension:
         from torch.utils.cpp_extension import load
 
         path = os.environ.get("PATH")
-        here = os.path.dirname(sys.executable)  # a venv's ninja (the pip package) when the venv is not activated
-        moved = shutil.which("ninja") is None and shutil.which("ninja", path=here) is not None
+        # ninja only beside this interpreter (a venv not activated): on PATH for torch's build, then put back
+        moved = shutil.which("ninja") is None and _ninja() is not None
         if moved:
-            os.environ["PATH"] = here + os.pathsep + (path or "")
+            os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + (path or "")
         try:
             return load(name=self.build_name(), sources=[str(self.source)],
                         extra_include_paths=[str(_CSRC)], extra_cflags=_FLAGS, verbose=False)

@@ -35,11 +35,11 @@ def compile_report(arch: int, *, G: int, N2: int = 1, Dqk: int, Dv: int, bs: int
     Raises ``ValueError`` / ``TypeError`` for a shape the op rejects, before compiling anything.
     """
     triton_impl._check_dtype(torch.empty(0, dtype=dtype))
-    for name, n in (("G", G), ("N2", N2), ("Dqk", Dqk), ("Dv", Dv), ("selected_block_size", bs),
-                    ("selected_block_count", K)):
-        _checks.check_int(name, n, lo=1)  # before sizing the example tensors with them
-    # the launch grid's second axis is N2: past CUDA's limit there no launch exists to compile
-    _checks.check_int("N2", N2, hi=_triton.GRID_LIMITS[1])
+    # before sizing the example tensors with them; the launch grid's second axis is N2: past CUDA's limit there
+    # no launch exists to compile
+    for name, n, hi in (("G", G, None), ("N2", N2, _triton.GRID_LIMITS[1]), ("Dqk", Dqk, None), ("Dv", Dv, None),
+                        ("selected_block_size", bs, None), ("selected_block_count", K, None)):
+        _checks.check_int(name, n, lo=1, hi=hi)
     seqs = [3 * max(bs, 16) // 2, 5]  # a partial last key block, a second sequence
     T = sum(seqs)
     cum = [seqs[0], T]
