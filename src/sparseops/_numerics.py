@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 
 
@@ -12,6 +15,37 @@ def acc_dtype(*xs) -> torch.dtype:
         if x is not None and (x if isinstance(x, torch.dtype) else x.dtype) == torch.float64:
             return torch.float64
     return torch.float32
+
+
+def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
+    """The dtype an enclosing ``torch.autocast`` on ``t``'s device gives matmuls of ``t``, or None: autocast
+    off there, or ``t`` not eligible (float64 and integers stay as they are, as under autocast's own casts)."""
+    dev = t.device.type
+    if dev not in ("cpu", "cuda") or not torch.is_autocast_enabled(dev):
+        return None
+    if not t.is_floating_point() or t.dtype == torch.float64:
+        return None
+    return torch.get_autocast_dtype(dev)
+
+
+def autocast_off(device_type: str):
+    """A context without the enclosing ``torch.autocast`` of ``device_type`` (a null context where none is on):
+    for code that picks its own dtypes, which autocast must not re-type."""
+    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def without_autocast(fn):
+    """``fn`` with any enclosing ``torch.autocast`` (CPU, CUDA) turned off while it runs: for the ops' own code,
+    which picks its dtypes (fp32 accumulation, fp32 scores that decide a selection) and which autocast would
+    re-type to its lower dtype, silently."""
+    @functools.wraps(fn)
+    def inner(*args, **kwargs):
+        with autocast_off("cpu"), autocast_off("cuda"):
+            return fn(*args, **kwargs)
+
+    return inner
 
 
 def exp_floor(acc: torch.dtype) -> float:

@@ -1,6 +1,8 @@
 """DeepSeekSparseAttention against a dense float64 oracle from its own parameters (output, the indexer loss and
 every parameter gradient), causality, packing invariance, the indexer trained only by its loss, bad input."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -142,3 +144,33 @@ def test_bad_input():
         m(torch.randn(5, 16, device="meta"))
     with pytest.raises(ValueError, match="x: expected a tensor with data, got one on the meta device"):
         DeepSeekSparseAttention(16, 4, 1, 8, topk=4, device="meta")(torch.randn(5, 16, device="meta"))
+
+
+@pytest.mark.parametrize("kernels", ["cpu-kernels", "torch"])
+def test_bf16_autocast_is_the_bf16_copy(kernels, monkeypatch):
+    """fp32 parameters under ``torch.autocast(bf16)``, on the C++ kernels and on the torch path: y and the
+    attention's gradients bitwise what a bf16 copy computes (autocast re-types none of the ops' own fp32
+    products: the indexer's scores, the attention's accumulation), the indexer loss in fp32, every gradient in
+    fp32. The indexer's key norm runs in fp32 under autocast (a LayerNorm): its path may differ from the copy."""
+    if kernels == "torch":
+        monkeypatch.setenv("SPARSEOPS_CPU_KERNELS", "0")
+    torch.manual_seed(0)
+    m = DeepSeekSparseAttention(32, 4, 1, 16, topk=16, index_heads=2, index_head_dim=16, rope_theta=1e4)
+    low = copy.deepcopy(m).bfloat16()
+    cu = torch.tensor([0, 70, 133], dtype=torch.int32)
+    x = torch.randn(133, 32)
+    xs = (x.clone().requires_grad_(), x.bfloat16().requires_grad_())
+    outs = []
+    for mod, xi, ac in ((m, xs[0], True), (low, xs[1], False)):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ac):
+            y, info = mod(xi, cu, return_info=True)
+        (y.float().pow(2).sum() + info["indexer_loss"]).backward()
+        outs.append((y, info))
+    (y, info), (y_low, info_low) = outs
+    assert y.dtype == torch.bfloat16 and torch.equal(y, y_low)
+    assert info["indexer_loss"].dtype == torch.float32 and torch.isfinite(info["indexer_loss"])
+    assert torch.equal(xs[0].grad, xs[1].grad.float())
+    for (n, p), q in zip(m.named_parameters(), low.parameters()):
+        assert p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all(), n
+        if not n.startswith("index_k_"):
+            assert torch.equal(p.grad, q.grad.float()), n

@@ -2,6 +2,8 @@
 the selection), causality by perturbing later tokens, packing invariance, gradcheck, the branches flag, G in
 {1, 3, 16}, the paper's and fla's block configurations, bad input."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -227,3 +229,32 @@ def test_bad_call_args(case):
     args.update(kwargs)
     with pytest.raises(exc, match=f"^{name}:"):
         m(**args)
+
+
+def test_bf16_autocast_against_oracle():
+    """fp32 parameters under ``torch.autocast(bf16)``: the projections and the branches run in bf16 (their
+    outputs and y in bf16), the oracle's selection, y and every gradient (in fp32, the parameters' dtype) within
+    the bf16 tolerance of the float64 oracle on the bf16 values of x and the parameters."""
+    _, kwargs, cu = CONFIGS[3]
+    m = _module(kwargs)  # the oracle's inputs: what autocast computes from, x and the parameters rounded to bf16
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(p.bfloat16())
+    x = _x(cu[-1]).detach().bfloat16().double().requires_grad_()
+    y_ref, topk_ref = oracle(m, x, cu)
+    m32 = copy.deepcopy(m).float()
+    x32 = x.detach().float().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, info = m32(x32, torch.tensor(cu, dtype=torch.int32), return_info=True)
+    assert y.dtype == info["o_slc"].dtype == torch.bfloat16
+    assert torch.equal(info["topk_indices"], topk_ref)
+    # what a bf16 copy computes, bitwise: autocast re-types none of the ops' own fp32 products (the selection's
+    # scores, the branches' accumulation)
+    assert torch.equal(y, copy.deepcopy(m).bfloat16()(x.detach().bfloat16(), torch.tensor(cu, dtype=torch.int32)))
+    assert_close(y, y_ref, dtype=torch.bfloat16, name="y")
+    dy = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    got = torch.autograd.grad(y, [x32, *m32.parameters()], dy.to(y.dtype))
+    want = torch.autograd.grad(y_ref, [x, *m.parameters()], dy)
+    for name, a, e in zip(["x", *(n for n, _ in m.named_parameters())], got, want):
+        assert a.dtype == torch.float32, name
+        assert_close(a, e, dtype=torch.bfloat16, name=f"d{name}")

@@ -78,3 +78,22 @@ def test_gate_columns_must_match_the_outputs():
     gates, outs, _ = _inputs(4, 3, torch.float64)
     with pytest.raises(ValueError, match="gates: expected 2 columns"):
         gated_sum(gates, *outs[:2])
+
+
+@pytest.mark.parametrize("which", ["gates", "outs"])
+def test_dtypes_must_match(which):
+    gates, outs, _ = _inputs(4, 3, torch.float64)
+    if which == "gates":
+        gates = gates.float()
+        msg = "outs\\[0\\]: expected the dtype of gates \\(float32\\), got float64"
+    else:
+        outs = (outs[0], outs[1].to(torch.bfloat16), outs[2])
+        msg = "outs\\[1\\]: expected the dtype of gates \\(float64\\), got bfloat16"
+    with pytest.raises(TypeError, match=msg):
+        gated_sum(gates, *outs)
+
+
+def test_integer_gates_are_refused():
+    _, outs, _ = _inputs(4, 3, torch.float64)
+    with pytest.raises(TypeError, match="gates: expected dtype in"):
+        gated_sum(torch.ones(*outs[0].shape[:-1], 3, dtype=torch.int64), *outs)

@@ -194,7 +194,9 @@ class NativeSparseAttention(nn.Module):
             o_win = sliding_window_attention(q, k_w, v_w, cu, self.window_size, self.scale)
         outs = (o_cmp, o_slc, o_win)
         on = [c for c, oc in enumerate(outs) if oc is not None]
-        o = gated_sum(gates if len(on) == 3 else gates[..., on], *(outs[c] for c in on))  # the other gates are 0
+        g = gates if len(on) == 3 else gates[..., on]  # the other gates are 0
+        # under autocast the branches come out in its dtype, the gates (times the fp32 mask) in fp32
+        o = gated_sum(g.to(outs[on[0]].dtype), *(outs[c] for c in on))
         y = self.o_proj(o.reshape(T, N1 * Dv))
         if not return_info:
             return y

@@ -11,25 +11,17 @@ so ``torch.compile(fullgraph=True)`` traces a call without a graph break. Cumula
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from .. import _autograd, _backend, _triton
 from .._config import resolve_deterministic
+from .._numerics import autocast_off
 from . import reference, torch_impl
 from .checks import STAT_LANES, SeqLens, check_args, stats_dtype
 
 #: the family's backends for the dispatcher (:mod:`sparseops._backend`); float64 is a testing dtype: torch
 FAMILY = _backend.Family("nsa", ("forward", "backward"), reference, torch_impl, "sparseops.nsa.triton_impl",
                          triton_dtypes=(torch.float16, torch.bfloat16, torch.float32))
-
-def _autocast_off(device_type: str):
-    """The ops compute in their inputs' dtypes with fp32 accumulation: an enclosing ``torch.autocast`` must not
-    re-type the matmuls inside them (on the CPU, ``bmm(..., out=fp32)`` of re-typed inputs fails)."""
-    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
 
 
 def _fallback_key(auto: bool, query, key, value, topk, bs, deterministic=None) -> tuple | None:
@@ -64,7 +56,9 @@ def _fwd_op(
     backend: str,
     auto: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    with _autocast_off(query.device.type):
+    # the ops compute in their inputs' dtypes with fp32 accumulation: autocast must not re-type the matmuls
+    # inside them (on the CPU, bmm(..., out=fp32) of re-typed inputs fails)
+    with autocast_off(query.device.type):
         return _backend.call(
             FAMILY, backend, "forward", fallback_key=_fallback_key(auto, query, key, value, topk, bs),
             q=query, k=key, v=value, topk=topk, scale=scale, bs=bs, cu_q=cu_q, cu_kv=cu_kv, causal=causal,
@@ -104,7 +98,7 @@ def _bwd_op(
     # None is resolved here, when the op runs, not when a graph is traced: a compiled backward follows
     # set_deterministic() calls made after it was compiled
     deterministic = resolve_deterministic(deterministic)
-    with _autocast_off(query.device.type):
+    with autocast_off(query.device.type):
         return _backend.call(
             FAMILY, backend, "backward",
             fallback_key=_fallback_key(auto, query, key, value, topk, bs, deterministic),

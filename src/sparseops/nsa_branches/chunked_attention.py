@@ -18,7 +18,7 @@ import dataclasses
 import torch
 
 from .. import _cpu_attention as cpu_attention
-from .._numerics import exp_floor, row_dot
+from .._numerics import exp_floor, row_dot, without_autocast
 from .._settings import Settings
 from .._varlen import seq_lengths, token_seq_positions
 from .checks import stats_dtype
@@ -214,7 +214,9 @@ def key_ranges(cu: list[int], cu_k: list[int], l: int, d: int, window: int) -> t
 
 
 # Custom ops: torch.compile sees one opaque node per call (the chunk plan reads the settings and loops in Python).
+# Autocast off inside: the products are in the inputs' dtype with fp32 accumulation, by choice.
 @torch.library.custom_op("sparseops::nsa_chunked_attention_fwd", mutates_args=())
+@without_autocast
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], cu_k: list[int], l: int, d: int,
             window: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     if _cpu_ranges(q, k):
@@ -229,6 +231,7 @@ def _(q, k, v, cu, cu_k, l, d, window, scale):
 
 
 @torch.library.custom_op("sparseops::nsa_chunked_attention_bwd", mutates_args=())
+@without_autocast
 def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
             cu: list[int], cu_k: list[int], l: int, d: int, window: int,
             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -35,9 +35,9 @@ class _GatedSum(torch.autograd.Function):
 
 
 def gated_sum(gates: torch.Tensor, *outs: torch.Tensor) -> torch.Tensor:
-    """``sum_c gates[..., c:c+1] * outs[c]`` for ``gates [..., C]`` and C tensors ``[..., D]`` of one dtype and
-    shape; differentiable in all of them."""
-    gates = _checks.check_tensor("gates", gates)
+    """``sum_c gates[..., c:c+1] * outs[c]`` for ``gates [..., C]`` and C tensors ``[..., D]`` of one shape, all in
+    the gates' floating dtype; differentiable in all of them."""
+    gates = _checks.check_tensor("gates", gates, dtypes=_checks.FLOAT_DTYPES + (torch.float64,))
     if gates.dim() == 0 or gates.shape[-1] != len(outs):
         raise ValueError(f"gates: expected {len(outs)} columns (one per output), got shape "
                          f"{_checks.fmt_shape(gates.shape)}")
@@ -48,6 +48,9 @@ def gated_sum(gates: torch.Tensor, *outs: torch.Tensor) -> torch.Tensor:
         if o.shape != outs[0].shape:
             raise ValueError(f"outs[{c}]: expected the shape of outs[0] {_checks.fmt_shape(outs[0].shape)}, got "
                              f"{_checks.fmt_shape(o.shape)}")
+        if o.dtype != gates.dtype:  # a mixed sum would round silently into whichever dtype wins the promotion
+            raise TypeError(f"outs[{c}]: expected the dtype of gates ({str(gates.dtype).replace('torch.', '')}), "
+                            f"got {str(o.dtype).replace('torch.', '')}")
     _checks.check_same_device(gates=gates, **{f"outs[{c}]": o for c, o in enumerate(outs)})
     if gates.shape[:-1] != outs[0].shape[:-1]:
         want = [*outs[0].shape[:-1], len(outs)]

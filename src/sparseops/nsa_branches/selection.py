@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import _checks
-from .._numerics import exp_floor
+from .._numerics import exp_floor, without_autocast
 from . import chunked_attention as _ca
 from .checks import stats_dtype
 from .compressed_attention import check_cmp_args
@@ -43,6 +43,7 @@ def block_importance(P: torch.Tensor, block_size: int, stride: int, select_block
     return torch.nn.functional.conv1d(x[..., :need], kern, stride=r).view(*P.shape[:-1], nsel)
 
 
+@without_autocast  # the scores that decide the selection stay in fp32
 def select_blocks(
     q: torch.Tensor,
     k_cmp: torch.Tensor,
