@@ -111,3 +111,36 @@ def test_generate_and_from_pretrained_with_sparseops(family, tmp_path):
         assert_close(back(input_ids=ids).logits, ref, torch.float32, f"{family} logits after from_pretrained")
     back.set_experts_implementation("eager")
     assert all(e.config._experts_implementation == "eager" for e in experts_modules(back))
+
+
+def test_under_autocast_the_sparseops_experts_run_in_its_dtype():
+    """An fp32 model under ``torch.autocast(bf16)``, as eager's ``F.linear`` experts would: the sparseops experts'
+    GEMMs (``mm`` into preallocated outputs) run in bf16, never fp32, and the logits and every gradient are as close
+    to the float64 model's as eager's under the same autocast (within the bf16 tolerance or 2x eager's error)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class GemmDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.mm.out:
+                self.seen.add(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    ids = _ids()
+    model = tiny_family_model("qwen3_moe")
+    ref_logits, ref_grads = run_model(model, "eager", ids)
+    runs = {}
+    for impl in ("eager", "sparseops"):
+        spy = GemmDtypes()
+        with torch.autocast("cpu", dtype=torch.bfloat16), spy:
+            runs[impl] = run_model(copy.deepcopy(model).to(torch.float32), impl, ids)
+        if impl == "sparseops":
+            assert spy.seen == {torch.bfloat16}, spy.seen
+    (e_logits, e_grads), (logits, grads) = runs["eager"], runs["sparseops"]
+    for name, got, ref, eager in [("logits", logits, ref_logits, e_logits)] + [
+            (n, grads[n], r, e_grads[n]) for n, r in ref_grads.items()]:
+        err, floor = rel_rms_error(got, ref), rel_rms_error(eager, ref)
+        assert err <= max(TOLERANCES[torch.bfloat16], 2 * floor), (name, err, floor)

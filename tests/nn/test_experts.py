@@ -91,3 +91,30 @@ def test_bad_construction_and_input():
         ex(torch.randn(3, 4, device="meta"), [3, 0])
     with pytest.raises(TypeError, match="dtype: expected None or one of"):
         GroupedExperts(2, 4, 4, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_under_autocast_the_gemms_run_in_its_dtype(activation):
+    # as F.linear under autocast: the fp32 module computes what a bf16 copy computes on bf16 rows, bitwise,
+    # and its weights' gradients are the copy's, in fp32
+    torch.manual_seed(0)
+    ex = GroupedExperts(3, 8, 5, activation)
+    low = GroupedExperts(3, 8, 5, activation, dtype=torch.bfloat16)
+    low.load_state_dict(ex.state_dict())
+    x = torch.randn(7, 8)
+    counts = [3, 0, 4]
+    gy = torch.randn(7, 8).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ex(x.requires_grad_(), counts)
+    y.backward(gy)
+    xl = x.detach().bfloat16().requires_grad_()
+    yl = low(xl, counts)
+    yl.backward(gy)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, yl)
+    assert x.grad.dtype == torch.float32 and torch.equal(x.grad, xl.grad.float())
+    for (n, p), q in zip(ex.named_parameters(), low.parameters()):
+        assert p.grad.dtype == torch.float32 and torch.equal(p.grad, q.grad.float()), n
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
+            TypeError, match=r"x: expected dtype torch.float32 \(the experts' weights\) or torch.bfloat16 \(the "
+                             r"enclosing autocast's\), got torch.float16"):
+        ex(x.detach().half(), counts)

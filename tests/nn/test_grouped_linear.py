@@ -88,3 +88,28 @@ def test_bad_arguments_name_themselves(kwargs, exc, match):
     args.update(kwargs)
     with pytest.raises(exc, match=match):
         grouped_linear(args["x"], args["w"], args["counts"], transposed=args["transposed"], bias=args["bias"])
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_under_autocast_it_casts_as_f_linear_does(transposed):
+    # fp32 x, w and bias under autocast: bitwise the bf16 call on their bf16 copies, gradients in fp32; float64
+    # is left alone, as autocast leaves it
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 6, generator=g)
+    w = torch.randn(3, 6, 5, generator=g) if transposed else torch.randn(3, 5, 6, generator=g)
+    b = torch.randn(3, 5, generator=g)
+    counts = [3, 0, 4]
+    ts = [t.clone().requires_grad_() for t in (x, w, b)]
+    lows = [t.bfloat16().requires_grad_() for t in (x, w, b)]
+    gy = torch.randn(7, 5, generator=g).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = grouped_linear(ts[0], ts[1], counts, transposed=transposed, bias=ts[2])
+    y.backward(gy)
+    y_low = grouped_linear(lows[0], lows[1], counts, transposed=transposed, bias=lows[2])
+    y_low.backward(gy)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, y_low)
+    for t, low in zip(ts, lows):
+        assert t.grad.dtype == torch.float32 and torch.equal(t.grad, low.grad.float())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y64 = grouped_linear(x.double(), w.double(), counts, transposed=transposed)
+    assert y64.dtype == torch.float64

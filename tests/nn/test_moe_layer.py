@@ -153,3 +153,34 @@ def test_bad_input():
         layer(torch.ones(4, H, dtype=torch.int32))
     with pytest.raises(ValueError, match="x: expected a tensor with data, got one on the meta device"):
         MoELayer(H, F, E, 2, device="meta")(torch.randn(4, H, device="meta"))
+
+
+@pytest.mark.parametrize("shared", [0, 4])
+def test_under_autocast_routing_stays_fp32_and_the_experts_run_in_its_dtype(shared):
+    torch.manual_seed(1)
+    layer = MoELayer(H, F, E, 2, shared_ffn_size=shared, aux_loss_coeff=0.1, z_loss_coeff=0.01)
+    x = torch.randn(13, H, requires_grad=True)
+    gy = torch.randn(13, H)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, aux = layer(x)
+    assert y.dtype == torch.bfloat16 and y.shape == x.shape
+    wrt = [x] + list(layer.parameters())
+    got = torch.autograd.grad((y.float() * gy).sum() + 2 * aux.loss, wrt)
+    y32, aux32 = layer(x)  # the router in fp32 under autocast too: the same choices, probs and losses
+    assert torch.equal(aux.loss, aux32.loss) and torch.equal(aux.tokens_per_expert, aux32.tokens_per_expert)
+    assert not torch.equal(y.float(), y32)  # the experts did run in bf16
+    # the float64 oracle of the experts' bf16 inputs: x and the experts' weights rounded to bf16, the router not
+    xd = x.detach().double().requires_grad_(True)
+    params = {k: v if k in ("router", "expert_bias") or v is None else
+              tuple(t.detach().bfloat16().double().requires_grad_(True) for t in v) if isinstance(v, tuple) else
+              v.detach().bfloat16().double().requires_grad_(True) for k, v in _params(layer).items()}
+    params["router"] = params["router"].detach().double().requires_grad_(True)
+    ref = moe_reference([xd], params, top_k=2, aux_loss_coeff=0.1, z_loss_coeff=0.01)
+    assert ref["kept"] == aux.tokens_per_expert.tolist()
+    assert_close(y, ref["ys"][0], torch.bfloat16, "y")
+    flat = [params["router"], params["w1"], params["w3"], params["w2"], *(params["shared"] or ())]
+    exp = torch.autograd.grad((ref["ys"][0] * gy.double()).sum() + 2 * ref["aux_loss"], [xd, *flat])
+    names = ["x"] + [n for n, _ in layer.named_parameters()]
+    for n, a, b, w in zip(names, got, exp, wrt):
+        assert a.dtype == w.dtype == torch.float32, n
+        assert_close(a, b, torch.bfloat16, f"{n}.grad")

@@ -23,6 +23,7 @@ import warnings
 import torch
 
 from .. import _compile
+from .._numerics import autocast_dtype
 from ..moe.api import moe_token_permute_with_ep, moe_token_unpermute_with_ep
 from ..nn.experts import _FUSED_MIN_ELEMENTS, _act_bwd, _act_fwd, _empty
 from ..nn.grouped_linear import grouped_linear_unchecked
@@ -174,7 +175,7 @@ def sparseops_experts_forward(module, hidden_states: torch.Tensor, top_k_index: 
 
     Args:
         module: the experts module (``self`` of the class transformers decorated).
-        hidden_states: `[T, H]`, cast to the weights' dtype for the GEMMs.
+        hidden_states: `[T, H]`, cast to the weights' dtype for the GEMMs (under ``torch.autocast``, to its).
         top_k_index: `[T, K]` int local expert ids; ids ``>= num_experts`` are EP sentinels (dropped).
         top_k_weights: `[T, K]` routing weights, any float dtype.
 
@@ -190,7 +191,7 @@ def sparseops_experts_forward(module, hidden_states: torch.Tensor, top_k_index: 
         return _eager_forward(module)(module, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
     E = module.num_experts
     w_up = _params(module)[0]
-    x = hidden_states.to(w_up.dtype)
+    x = hidden_states.to(autocast_dtype(w_up) or w_up.dtype)  # under autocast the GEMMs run in its dtype
     counts = _counts(top_k_index, E)
     kept = sum(counts)
     rows, sidx, _ = moe_token_permute_with_ep(x, top_k_index, None, [0, kept], validate=False)

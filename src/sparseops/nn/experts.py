@@ -19,7 +19,7 @@ from torch import nn
 
 from .. import _compile
 from .._checks import check_has_data, check_int, check_param_dtype
-from .._numerics import acc_dtype
+from .._numerics import acc_dtype, autocast_dtype
 from .._settings import Settings
 from ..moe.torch_impl import _empty_rows
 
@@ -264,26 +264,34 @@ class GroupedExperts(nn.Module):
 
         Args:
             x: `[R, H]` expert-sorted rows (the rows of expert e follow those of experts < e), float dtype of
-                the weights.
+                the weights or, under ``torch.autocast``, its dtype.
             tokens_per_expert: `[E]` ints (list or integer tensor, a host sync) summing to R.
 
         Returns:
-            `[R, H]` in x's dtype.
+            `[R, H]` in x's dtype; under ``torch.autocast`` in its dtype (the GEMMs run in it).
         """
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 2 or x.shape[1] != self.hidden_size:
             raise ValueError(f"x: expected shape [R, H={self.hidden_size}], got {list(x.shape)}")
-        if x.dtype != self.w1.dtype:
-            raise TypeError(f"x: expected dtype {self.w1.dtype} (the experts' weights), got {x.dtype}")
+        cdt = autocast_dtype(self.w1)
+        if x.dtype != self.w1.dtype and x.dtype != cdt:
+            also = "" if cdt is None else f" or {cdt} (the enclosing autocast's)"
+            raise TypeError(f"x: expected dtype {self.w1.dtype} (the experts' weights){also}, got {x.dtype}")
         if x.device != self.w1.device:
             raise ValueError(f"x: expected device {self.w1.device} (the experts' weights), got {x.device}")
         counts = check_counts(tokens_per_expert, self.num_experts, x.shape[0])
         return self.apply_counts(x, counts)
 
     def apply_counts(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """:meth:`forward` without the argument checks (``counts`` already a checked list)."""
+        """:meth:`forward` without the argument checks (``counts`` already a checked list).
+
+        Under ``torch.autocast`` the GEMMs run in its dtype, as ``F.linear`` would: x and the weights are cast
+        (differentiably: the weights' gradients arrive in their own dtype)."""
         w1, w3, w2 = (local_tensor(w) for w in (self.w1, self.w3, self.w2))
+        cdt = autocast_dtype(w1)
+        if cdt is not None and cdt != w1.dtype:
+            x, w1, w3, w2 = (None if t is None else t.to(cdt) for t in (x, w1, w3, w2))
         grouped = _use_grouped(x, w1)
         return _GroupedFFN.apply(x.contiguous(), w1, w3, w2, counts, grouped)
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import BACKENDS, check_float, check_int, check_param_dtype
+from .._numerics import autocast_dtype
 from ..distributed.collectives import even_sizes, gather_rows, split_rows
 from ..distributed.dispatchers import DISPATCH, DISPATCHERS, Plan
 from ..distributed.expert_parallel import ExpertParallelModule, inside_ddp
@@ -102,7 +103,9 @@ class MoELayer(ExpertParallelModule):
             ``device`` and ``dtype`` apply to every parameter.
 
     Forward: ``x [T, H]`` or ``[..., H]`` -> ``(y, MoEAux(loss, tokens_per_expert [E], dropped))``; y has x's
-    shape and dtype (x's dtype must be the experts' weight dtype).
+    shape and dtype (x's dtype must be the experts' weight dtype). Under ``torch.autocast`` (fp32 weights) the
+    router still computes in fp32, the rows are dispatched and the experts' GEMMs run in autocast's dtype, and
+    y comes in it (x may also come in it); gradients reach the weights in their own dtype.
     """
 
     def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int, *,
@@ -167,9 +170,11 @@ class MoELayer(ExpertParallelModule):
         x2 = self.router.check_input(x)
         if x.dtype not in DTYPES:
             raise TypeError(f"x: expected one of {DTYPES}, got {x.dtype}")
-        wdt = next(self.experts.parameters()).dtype
-        if x.dtype != wdt:
-            raise TypeError(f"x: expected dtype {wdt} (the experts' weights), got {x.dtype}")
+        w = next(self.experts.parameters())
+        cdt = autocast_dtype(w)
+        if x.dtype != w.dtype and x.dtype != cdt:
+            also = "" if cdt is None else f" or {cdt} (the enclosing autocast's)"
+            raise TypeError(f"x: expected dtype {w.dtype} (the experts' weights){also}, got {x.dtype}")
         if self.ep_size > 1 and self.batch_group is None and inside_ddp():
             raise ValueError(
                 "model: expected no torch.nn.parallel.DistributedDataParallel around a MoELayer built with "
@@ -187,7 +192,9 @@ class MoELayer(ExpertParallelModule):
         if self.capacity_factor is not None:
             indices = drop_to_sink(indices, probs, E, capacity(self.capacity_factor, T, K, E), self.drop_policy)
         dispatch = self._dispatch_replicated if self.replicated_tokens and self.ep_size > 1 else self._dispatch
-        y, loss, routed_slots, kept_g = dispatch(x2, indices, probs, routed, psum, zsum)
+        # under autocast the rows travel and meet the experts in its dtype (the router above stays in fp32)
+        xd = x2 if cdt is None else x2.to(cdt)
+        y, loss, routed_slots, kept_g = dispatch(xd, indices, probs, routed, psum, zsum)
         if self.shared is not None:
             y = y + self.shared(x2)
         dropped = int(round(routed_slots)) - int(sum(kept_g))

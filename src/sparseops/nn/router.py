@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._checks import check_bool, check_float, check_has_data, check_int, check_param_dtype
-from .._numerics import acc_dtype
+from .._numerics import acc_dtype, autocast_off
 from .stats import gather_stats
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -153,7 +153,8 @@ class TopKRouter(nn.Module):
     def route(self, x2: torch.Tensor):
         """Local routing of `[T, H]` tokens: ``(logits, scores, indices int64, probs, tokens_per_expert)``."""
         rdt = router_dtype(x2.dtype)
-        logits = x2.to(rdt) @ self.weight.to(rdt).T
+        with autocast_off(x2.device.type):  # routing in fp32 also under autocast (docs/moe-layer.md)
+            logits = x2.to(rdt) @ self.weight.to(rdt).T
         scores = torch.softmax(logits, dim=-1) if self.score_func == "softmax" else torch.sigmoid(logits)
         indices = self.select(scores)
         probs = scores.gather(1, indices)
