@@ -20,6 +20,7 @@ from sparseops.cli import main
 from sparseops.cli.train import config_argv
 from sparseops.distributed.launch import free_port
 from sparseops.models.train import TrainConfig, train
+from sparseops.testing import TOLERANCES
 
 from ..models.test_lm import TINY, TINY_TASK
 
@@ -148,9 +149,11 @@ def test_config_argv_spells_out_every_setting():
     (1, ["--weight-decay", "-0.1"], "--weight-decay: expected a number >= 0 .and finite., got -0.1"),
     (4, ["--top-k", "5"], "--top-k: expected at most num_experts = 4, got 5"),
     (1, ["--seed", str(2**64)], "--seed: expected an int in .*, got 18446744073709551616"),
+    (1, ["--autocast", "bfloat16", "--dtype", "float64"], "--autocast: expected --dtype float32 with it .*got --dtype float64"),
 ], ids=["world-mismatch", "replicate-not-dividing", "ep-not-dividing-shard", "ep-not-dividing-experts",
         "batch-not-dividing", "resume-nothing", "save-every-alone", "no-steps", "no-timeout", "task", "no-file",
-        "replicated-with-dp", "negative-clip", "negative-decay", "model", "seed-past-torch"])
+        "replicated-with-dp", "negative-clip", "negative-decay", "model", "seed-past-torch",
+        "autocast-float64"])
 def test_bad_flags_exit_2_before_any_collective(tmp_path, monkeypatch, capsys, world, extra, match):
     """torchrun's environment without a rendezvous behind it: a check after init_process_group would hang or fail
     otherwise (within the 5 s --comm-timeout, the rendezvous's timeout too); the message names the flag and nothing
@@ -387,3 +390,21 @@ def test_replicated_tokens_is_bitwise_the_one_process_run(oracle, tmp_path):
     r, one = _json(tmp_path / "r.json"), _json(oracle / "one.json")
     assert r["dims"] == {"dp_replicate": 1, "dp_shard": 1, "ep": 2} and r["data_parallel"] == "none"
     assert r["loss"] == one["loss"] and r["recall"] == one["recall"]
+
+
+@pytest.mark.distributed
+def test_autocast_bf16_at_w2_matches_the_one_process_autocast_run(tmp_path, one_thread):
+    """``--autocast bfloat16`` (fp32 parameters, the forward under autocast): the W = 2 run (FSDP, ep 2) gives the
+    one-process autocast run's losses within the bf16 tolerance, and both differ from the fp32 run's (autocast
+    did run); the JSON records it."""
+    runs = {}
+    for name, extra in (("fp32", []), ("bf16", ["--autocast", "bfloat16"])):
+        assert main([*ARGV, *extra, "--json", str(tmp_path / f"{name}.json")]) == 0
+        runs[name] = _json(tmp_path / f"{name}.json")
+    rc, out, _ = torchrun(2, [*ARGV[1:], "--autocast", "bfloat16", *LAYOUT, "--json", str(tmp_path / "two.json")])
+    assert rc == 0, out
+    two, one = _json(tmp_path / "two.json"), runs["bf16"]
+    assert one["autocast"] == two["autocast"] == "bfloat16" and runs["fp32"]["autocast"] is None
+    assert _rel(two["loss"], one["loss"]) <= TOLERANCES[torch.bfloat16], (two["loss"], one["loss"])
+    assert one["loss"] != runs["fp32"]["loss"]
+    assert "float32 under autocast bfloat16" in out

@@ -51,7 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--global-batch", type=int, default=None, metavar="B",
                    help="sequences per step over all ranks (a multiple of the world size)")
     g.add_argument("--seq-len", type=int, default=None, metavar="L", help="tokens per sequence")
-    g.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    g.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                   help="of the parameters, gradients, optimizer state and checkpoints")
+    g.add_argument("--autocast", choices=("bfloat16",), default=None,
+                   help="forward under torch.autocast in this dtype (mixed precision with --dtype float32; the "
+                        "routing, losses and gradient reductions stay in fp32)")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--lr", type=float, default=None, help="AdamW peak learning rate (linear warm-up, cosine to 0)")
     g.add_argument("--warmup", type=int, default=None, metavar="N", help="warm-up steps")
@@ -170,6 +174,9 @@ def build_spec(args: argparse.Namespace, world: int):
     problem = seed_problem(args.seed) if args.seed is not None else None  # what torch's generators take
     if problem:
         raise _Bad(problem)
+    if args.autocast is not None and args.dtype != "float32":  # autocast leaves float64 as it is: a silent no-op
+        raise _Bad(f"--autocast: expected --dtype float32 with it (the fp32 weights autocast casts), got --dtype "
+                   f"{args.dtype}")
     if args.save_every is not None and args.save is None:
         raise _Bad("--save-every: expected --save DIR with it, got no --save")
     if args.vocab_size is not None and args.data is None:
@@ -223,7 +230,8 @@ def build_spec(args: argparse.Namespace, world: int):
     return RunSpec(model=model, optim=optim, task=task, data_path=args.data, data_dtype=args.data_dtype,
                    seq_len=seq_len, dtype=getattr(torch, args.dtype), layout=layout, save_dir=args.save,
                    save_every=args.save_every, resume=resume, comm_timeout=args.comm_timeout,
-                   log_every=args.log_every, compile=args.compile)
+                   log_every=args.log_every, compile=args.compile,
+                   autocast=None if args.autocast is None else getattr(torch, args.autocast))
 
 
 def check_run(spec, data, args: argparse.Namespace):
@@ -320,7 +328,7 @@ def _result_json(args, spec, world: int, result: dict, error: str | None) -> dic
     return {"steps": result.get("steps", []), "loss": result.get("loss", []),
             "resumed_from": result.get("resumed_from"), "world_size": world,
             "dims": spec.layout.dims(), "data_parallel": spec.layout.data_parallel,
-            "dtype": args.dtype, "data": args.data or "recall", "recall": result.get("recall"),
+            "dtype": args.dtype, "autocast": args.autocast, "data": args.data or "recall", "recall": result.get("recall"),
             "checkpoints": result.get("checkpoints", []), "seconds": result.get("seconds"), "error": error}
 
 
@@ -357,7 +365,8 @@ def run(args: argparse.Namespace) -> int:
                                 timeout=datetime.timedelta(seconds=spec.comm_timeout))
     if rank == 0:
         print(f"sparseops train: {world} rank(s), {spec.layout.dims()} {spec.layout.data_parallel}, "
-              f"{spec.optim.steps} steps x {spec.optim.batch_size} sequences, {args.dtype} on {device.type}"
+              f"{spec.optim.steps} steps x {spec.optim.batch_size} sequences, {args.dtype}"
+              + (f" under autocast {args.autocast}" if args.autocast else "") + f" on {device.type}"
               + (f", resuming from {spec.resume}" if spec.resume else ""), flush=True)
 
     def on_step(step: int, loss: float) -> None:

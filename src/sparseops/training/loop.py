@@ -81,6 +81,9 @@ class RunSpec:
     comm_timeout: float = 300.0
     log_every: int = 0  #: print the loss every N steps on rank 0 (0: never)
     compile: bool = False  #: train ``torch.compile(model)`` (the MoE layers eager inside it; docs/demo.md)
+    #: the forward (and the recall evaluation) under ``torch.autocast`` in this dtype; None: off
+    #: (docs/training.md, "Mixed precision")
+    autocast: torch.dtype | None = None
 
 
 def make_data(spec: RunSpec):
@@ -120,7 +123,7 @@ def train_run(spec: RunSpec, result: dict, *, device: torch.device | None = None
     layout = spec.layout
     replicated_tokens = world > 1 and layout.data_parallel == "none"
     ctx = _Ctx(rank, world, *((0, 1) if replicated_tokens else (rank, world)),
-               dist.group.WORLD if replicated_tokens else None, cfg, device)
+               dist.group.WORLD if replicated_tokens else None, cfg, device, spec.autocast)
     model = build_model(model_cfg, cfg.seed, spec.dtype, device, ep_group=ctx.ep_group,
                         dispatcher=layout.dispatcher)
     if world > 1 and not replicated_tokens:  # replicated tokens: the MoE layers on the world group
@@ -159,7 +162,8 @@ def train_run(spec: RunSpec, result: dict, *, device: torch.device | None = None
         if on_step is not None and rank == 0:
             on_step(step, loss)
     if spec.task is not None and spec.data_path is None and cfg.eval_sequences > 0:
-        result["recall"] = recall(model, spec.task, cfg, device, dist.group.WORLD if ctx.dp_world > 1 else None)
+        with ctx.autocast_ctx():
+            result["recall"] = recall(model, spec.task, cfg, device, dist.group.WORLD if ctx.dp_world > 1 else None)
     result["seconds"] = time.perf_counter() - start
     return result
 
@@ -173,13 +177,19 @@ class _Ctx:
     ep_group: object  #: the MoE layers' raw EP group in the replicated-tokens mode, else None
     cfg: TrainConfig
     device: torch.device
+    autocast: torch.dtype | None = None
+
+    def autocast_ctx(self):
+        return torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None)
 
 
 def _step(ctx: _Ctx, model, opt, sched, data, replicated, experts, step, poison: bool) -> float:
     cfg, device = ctx.cfg, ctx.device
     tokens, targets, cu, n = data.batch(step, ctx.dp_rank, ctx.dp_world)
-    logits, aux = model(tokens.to(device), cu.tolist())
-    ce = F.cross_entropy(logits, targets.to(device), ignore_index=IGNORE_INDEX, reduction="sum")
+    with ctx.autocast_ctx():
+        logits, aux = model(tokens.to(device), cu.tolist())
+    # the loss in the parameters' dtype (fp32 under autocast)
+    ce = F.cross_entropy(logits.to(aux.dtype), targets.to(device), ignore_index=IGNORE_INDEX, reduction="sum")
     if poison:
         ce = ce * math.nan
     total = ce.detach()
