@@ -135,6 +135,34 @@ def check_moe_layer(ctx: dict, dtype: torch.dtype):
     return worst(pairs, dtype)
 
 
+def check_moe_layer_autocast(ctx: dict):
+    """fp32 parameters, the forward under ``torch.autocast(bf16)``: the router in fp32, the experts in bf16; against
+    the float64 oracle on the bf16 values of the experts' weights (docs/moe-layer.md, "Under torch.autocast")."""
+    s, dev = ctx["sizes"]["moe"], ctx["device"]
+    P = _moe_params(s)
+    torch.manual_seed(0)
+    layer = MoELayer(s["H"], s["F"], s["E"], s["K"], aux_loss_coeff=1e-2, device=dev, dtype=torch.float32)
+    _load_moe(layer, P, 0, s["E"])
+    x0, g0 = _moe_inputs(s, 0)
+    x = x0.to(dev, torch.float32).requires_grad_(True)
+    with torch.autocast(dev.type, dtype=torch.bfloat16):
+        y, aux = layer(x)
+    if y.dtype != torch.bfloat16:
+        raise RuntimeError(f"y: expected bfloat16 under autocast, got {y.dtype}")
+    ((y.float() * g0.to(dev, torch.float32)).sum() + aux.loss).backward()
+    with torch.no_grad():
+        idx = layer.router.route(x.detach())[2].cpu().tolist()
+    ref = _moe_oracle({**P, **{n: P[n].to(torch.bfloat16).double() for n in ("w1", "w3", "w2")}}, [x0], [g0], s, [idx])
+    grads = {n: p.grad.cpu() for n, p in layer.named_parameters()}
+    pairs = [("y", y.detach().cpu(), ref["ys"][0]), ("x.grad", x.grad.cpu(), ref["xs"][0]),
+             ("router.grad", grads["router.weight"], ref["grads"]["router"])]
+    pairs += [(f"{n}.grad", grads[f"experts.{n}"], ref["grads"][n]) for n in ("w1", "w3", "w2")]
+    if any(g.dtype != torch.float32 for g in grads.values()):
+        raise RuntimeError("the parameters' gradients: expected float32 under autocast")
+    r, what = worst(pairs, torch.bfloat16)
+    return r, f"{what} (bf16 tolerance)"
+
+
 def _ep_worker(rank: int, ws: int, s: dict, device_type: str) -> dict:
     import torch.distributed as dist
 
@@ -229,29 +257,47 @@ def _nsa_module(ctx: dict) -> NativeSparseAttention:
     return m
 
 
-def check_nsa_module(ctx: dict, dtype: torch.dtype):
+def _nsa_run(mod, x0, dy, cu, dev, dt, autocast: bool = False):
+    """One forward (under ``torch.autocast(bf16)`` with ``autocast``) and backward of the module; on the CPU."""
+    x = x0.to(dev, dt, copy=True).requires_grad_(True)  # a copy: x0 itself stays a plain input
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+        y, info = mod(x, torch.tensor(cu, dtype=torch.int32, device=dev), return_info=True)
+    y.backward(dy.to(dev, y.dtype))
+    return y.detach().cpu(), x.grad.cpu(), {n: p.grad.cpu() for n, p in mod.named_parameters()}, info
+
+
+def check_nsa_module(ctx: dict, dtype: torch.dtype, autocast: bool = False):
+    """The module in ``dtype`` against itself in float64 on the CPU. ``autocast``: fp32 parameters under
+    ``torch.autocast(bf16)`` against the float64 module on the bf16 values of x and the parameters, and whether
+    it computed what a bf16 copy computes (docs/nsa-module.md, "The module")."""
     cu = ctx["sizes"]["nsa"]["cu"]
     ref_m = _nsa_module(ctx)
-    m = copy.deepcopy(ref_m).to(ctx["device"], dtype)
     g = torch.Generator().manual_seed(1)
     x0 = torch.randn(cu[-1], ctx["sizes"]["nsa"]["hidden"], generator=g, dtype=torch.float64)
     dy = torch.randn(x0.shape, generator=g, dtype=torch.float64)
-
-    def run(mod, dev, dt):
-        x = x0.to(dev, dt).requires_grad_(True)
-        y, info = mod(x, torch.tensor(cu, dtype=torch.int32, device=dev), return_info=True)
-        y.backward(dy.to(dev, dt))
-        return y.detach().cpu(), x.grad.cpu(), {n: p.grad.cpu() for n, p in mod.named_parameters()}, info
-
-    y, gx, gp, info = run(m, ctx["device"], dtype)
-    y_ref, gx_ref, gp_ref, info_ref = run(ref_m, torch.device("cpu"), torch.float64)
+    if autocast:
+        with torch.no_grad():
+            for p in ref_m.parameters():
+                p.copy_(p.bfloat16())
+        x0 = x0.bfloat16().double()
+    m = copy.deepcopy(ref_m).to(ctx["device"], dtype)
+    y, gx, gp, info = _nsa_run(m, x0, dy, cu, ctx["device"], dtype, autocast)
+    y_ref, gx_ref, gp_ref, info_ref = _nsa_run(ref_m, x0, dy, cu, torch.device("cpu"), torch.float64)
+    copy_note = ""
+    if autocast:
+        if y.dtype != torch.bfloat16:
+            raise RuntimeError(f"y: expected bfloat16 under autocast, got {y.dtype}")
+        y_low = _nsa_run(copy.deepcopy(ref_m).to(ctx["device"], torch.bfloat16), x0, dy, cu, ctx["device"],
+                         torch.bfloat16)[0]
+        copy_note = f"; y bitwise the bf16 copy's: {torch.equal(y, y_low)}"
+        dtype = torch.bfloat16  # the tolerance of what it computed in
     same = (info["topk_indices"].cpu() == info_ref["topk_indices"]).float().mean().item()
     pairs = [("y", y, y_ref), ("x.grad", gx, gx_ref)]
     params = [(f"{n}.grad", gp[n], gp_ref[n]) for n in gp]
     # bf16: the parameter gradients are sums over every token of bf16 products: reported, not gated
     r, what = worst(pairs, dtype, params) if dtype == torch.bfloat16 else worst(pairs + params, dtype)
     return r, (f"T = {cu[-1]} in {len(cu) - 1} sequences, G = 16, vs the module in float64 on the CPU: {what}; "
-               f"selected blocks equal to float64's: {same:.1%}")
+               f"selected blocks equal to float64's: {same:.1%}{copy_note}")
 
 
 # ------------------------------------------------------------------------------------------------ subprocesses
@@ -289,19 +335,21 @@ def _command_row(argv: list[str], timeout: float, log: Path, deadline: float | N
     return None, f"{log.name}: {tail}"
 
 
-def check_train(ctx: dict):
+def check_train(ctx: dict, autocast: bool = False):
     from sparseops.cli import SUBCOMMANDS
 
     if "train" not in SUBCOMMANDS:
         raise Skip("`sparseops train` is not a subcommand of this checkout yet")
-    out = ctx["out"] / "train"
+    name = "train_autocast" if autocast else "train"
+    out = ctx["out"] / name
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
             "sparseops", "train", *(a.format(out=out, steps=2 if ctx["device"].type == "cpu" else 5) for a in TRAIN_ARGV)]
-    _command_row(argv, TIMEOUTS["train"], ctx["out"] / "train.log", ctx.get("deadline"))
+    argv += ["--autocast", "bfloat16"] if autocast else []
+    _command_row(argv, TIMEOUTS["train"], ctx["out"] / f"{name}.log", ctx.get("deadline"))
     losses = json.loads((out / "train.json").read_text()).get("loss") if (out / "train.json").is_file() else None
     if not losses or not all(isinstance(v, float) and v == v for v in losses):
         raise RuntimeError(f"no finite per-step losses in {out / 'train.json'}: {losses!r}"[:300])
-    return None, f"{len(losses)} steps, loss {losses[0]:.4g} -> {losses[-1]:.4g}; {ctx['out'] / 'train.log'}"
+    return None, f"{len(losses)} steps, loss {losses[0]:.4g} -> {losses[-1]:.4g}; {ctx['out'] / f'{name}.log'}"
 
 
 def check_nsa_bench(ctx: dict):
@@ -326,15 +374,18 @@ def check_nsa_tests(ctx: dict):
 CHECKS = [
     ("MoELayer fp32 fwd+bwd vs float64 oracle", lambda c: check_moe_layer(c, torch.float32)),
     ("MoELayer bf16 fwd+bwd vs float64 oracle", lambda c: check_moe_layer(c, torch.bfloat16)),
+    ("MoELayer fp32 under bf16 autocast vs float64 oracle", check_moe_layer_autocast),
     ("MoELayer EP world size 1", lambda c: check_moe_ep(c, 1)),
     ("MoELayer EP world size 2", lambda c: check_moe_ep(c, 2)),
     ("transformers experts 'sparseops' bf16", check_transformers_experts),
     ("NativeSparseAttention fp32 fwd+bwd", lambda c: check_nsa_module(c, torch.float32)),
     ("NativeSparseAttention bf16 fwd+bwd", lambda c: check_nsa_module(c, torch.bfloat16)),
+    ("NativeSparseAttention fp32 under bf16 autocast", lambda c: check_nsa_module(c, torch.float32, autocast=True)),
     *gpu_dsa.ROWS,
     ("sparseops train (a few steps)", check_train),
     ("NSA Triton benchmark (gpu_nsa.py --quick)", check_nsa_bench),
     ("Triton kernel tests, compiled", check_nsa_tests),
+    ("sparseops train --autocast bfloat16", lambda c: check_train(c, autocast=True)),
 ]
 
 

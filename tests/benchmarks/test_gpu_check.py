@@ -26,8 +26,9 @@ def test_gpu_check_cpu_rehearsal(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = {x["name"]: x for x in json.loads((tmp_path / "gpu_check.json").read_text())["rows"]}
     assert list(rows) == [name for name, _ in gpu_check.CHECKS]
-    for name in ("MoELayer fp32", "MoELayer bf16", "MoELayer EP world size 1", "MoELayer EP world size 2",
-                 "NativeSparseAttention fp32", "NativeSparseAttention bf16"):
+    for name in ("MoELayer fp32", "MoELayer bf16", "MoELayer fp32 under bf16 autocast", "MoELayer EP world size 1",
+                 "MoELayer EP world size 2", "NativeSparseAttention fp32", "NativeSparseAttention bf16",
+                 "NativeSparseAttention fp32 under bf16 autocast"):
         row = next(v for k, v in rows.items() if k.startswith(name))
         assert row["status"] == "ok" and 0 <= row["ratio"] <= 1, row
     assert "gloo" in rows["MoELayer EP world size 2"]["detail"]
@@ -39,6 +40,8 @@ def test_gpu_check_cpu_rehearsal(tmp_path):
     for name in ("NSA Triton benchmark (gpu_nsa.py --quick)", "Triton kernel tests, compiled"):
         assert rows[name]["status"] == "skip" and "needs CUDA" in rows[name]["detail"]
     assert rows["sparseops train (a few steps)"]["status"] in ("ok", "skip")
+    assert rows["sparseops train --autocast bfloat16"]["status"] in ("ok", "skip")
+    assert rows["NativeSparseAttention fp32 under bf16 autocast"]["detail"].endswith("bf16 copy's: True")
     table = r.stdout.strip().splitlines()
     assert table[0].startswith("| check | result |") and len(table) == 2 + len(rows)  # one table, a row each
 
