@@ -6,7 +6,8 @@ a softmax top-K router (probs renormalised over the K picks) and SwiGLU experts,
 ``transformers``' ``Qwen3MoeSparseMoeBlock`` with ``gate_up_proj = cat(w1, w3)``, ``down_proj = w2``, timed with
 each of its expert implementations that fits in memory (``grouped_mm``, its default, and ``eager``, the
 per-expert loop); the fastest is the one we compare with. Outputs are checked first (fp32: the same routing
-and y within the fp32 tolerance; bf16: the tokens both route the same way, within the bf16 tolerance).
+and y within the fp32 tolerance; bf16 and fp32 parameters under ``torch.autocast(bf16)``, the third row: the
+tokens both route the same way, within the bf16 tolerance).
 
 What is timed: forward + backward (``y.backward(gy)``, gradients of x and every weight), median of several
 runs after a warm-up, ours and the peer's paths in turn run after run (the machine's load may drift); the
@@ -48,6 +49,8 @@ from sparseops.testing import TOLERANCES, rel_rms_error  # noqa: E402
 SPEEDUP_GOAL = 1.2
 FLOOR_GOAL = 0.6
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: the one-process rows: the parameters' dtype and the forward's autocast dtype (None: no autocast)
+RUNS = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None), "fp32 autocast bf16": (torch.float32, torch.bfloat16)}
 SHAPES = {
     "full": {"T": 4096, "H": 1024, "F": 512, "E": 64, "K": 8},
     "quick": {"T": 1024, "H": 512, "F": 256, "E": 16, "K": 4},
@@ -132,20 +135,22 @@ def build_peer(ours: MoELayer, s: dict, impl: str):
     return block, None
 
 
-def fwd_bwd(module, x: torch.Tensor, gy: torch.Tensor, peer: bool):
+def fwd_bwd(module, x: torch.Tensor, gy: torch.Tensor, peer: bool, autocast: torch.dtype | None = None):
     def step():
         for p in module.parameters():
             p.grad = None
         xx = x.detach().requires_grad_(True)
-        y = module(xx[None])[0] if peer else module(xx)[0]
-        y.backward(gy)
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            y = module(xx[None])[0] if peer else module(xx)[0]
+        y.backward(gy.to(y.dtype))
         return y
     return step
 
 
-def check_equal(ours: MoELayer, block, x: torch.Tensor, dtype: torch.dtype) -> dict:
-    """Our y against the peer's on the same input: fp32 all tokens, bf16 the tokens routed alike."""
-    with torch.no_grad():
+def check_equal(ours: MoELayer, block, x: torch.Tensor, dtype: torch.dtype, autocast=None) -> dict:
+    """Our y against the peer's on the same input: fp32 all tokens, bf16 (or autocast) the tokens routed alike."""
+    dtype = autocast or dtype
+    with torch.no_grad(), torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
         y1 = ours(x)[0]
         y2 = block(x[None])[0]
         i1 = ours.router.route(x)[2].sort(-1).values
@@ -165,23 +170,23 @@ def bench_one_process(mode: str, peers: bool, warmup: int, runs: int, log) -> tu
     flops = 18 * s["T"] * s["K"] * s["H"] * s["F"]
     floor_s = flops / floors["matmul_fp32_flops"]
     rows = []
-    for name, dtype in DTYPES.items():
+    for name, (dtype, autocast) in RUNS.items():
         g = torch.Generator().manual_seed(1)
         x = torch.randn(s["T"], s["H"], generator=g).to(dtype)
         gy = torch.randn(s["T"], s["H"], generator=g).to(dtype)
         ours = build_ours(s, dtype)
         row = {**s, "dtype": name, "flops": flops, "floor_s": floor_s, "peer": {}}
-        steps = {"ours": fwd_bwd(ours, x, gy, False)}
+        steps = {"ours": fwd_bwd(ours, x, gy, False, autocast)}
         for impl in (PEER_IMPLS if peers else ()):
             block, why = build_peer(ours, s, impl)
             if block is None:
                 row["peer_why_not"] = why
                 log(f"peer skipped: {why}")
                 break
-            chk = check_equal(ours, block, x, dtype)
+            chk = check_equal(ours, block, x, dtype, autocast)
             row["peer"][impl] = {"check": chk}
             if chk["ok"]:
-                steps[impl] = fwd_bwd(block, x, gy, True)
+                steps[impl] = fwd_bwd(block, x, gy, True, autocast)
             else:
                 row["peer"][impl]["error"] = "outputs differ: not timed"
         times: dict[str, list[float]] = {k: [] for k in steps}

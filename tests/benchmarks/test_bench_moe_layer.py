@@ -19,6 +19,6 @@ def test_moe_layer_smoke(tmp_path, capsys):
     record = json.loads((tmp_path / "moe_layer.json").read_text())[-1]
     assert record["mode"] == "smoke"
     assert record["gate"] and all(g["err"] <= g["tol"] for g in record["gate"])
-    assert {r["dtype"] for r in record["rows"]} == {"fp32", "bf16"}
+    assert {r["dtype"] for r in record["rows"]} == {"fp32", "bf16", "fp32 autocast bf16"}
     assert all(r["ours_s"] > 0 and r["floor_s"] > 0 for r in record["rows"])
     assert "| fp32 |" in capsys.readouterr().out
