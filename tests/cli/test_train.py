@@ -408,3 +408,16 @@ def test_autocast_bf16_at_w2_matches_the_one_process_autocast_run(tmp_path, one_
     assert _rel(two["loss"], one["loss"]) <= TOLERANCES[torch.bfloat16], (two["loss"], one["loss"])
     assert one["loss"] != runs["fp32"]["loss"]
     assert "float32 under autocast bfloat16" in out
+
+
+@pytest.mark.distributed
+def test_dsa_two_ranks_match_the_one_process_float64_run(tmp_path, one_thread):
+    """``--attention dsa`` (DeepSeekSparseAttention with its indexer, whose KL loss is each rank's own tokens' mean):
+    the W = 2 run (FSDP, ep 2) gives the one-process float64 run's losses and recall to rounding."""
+    dsa = ["--attention", "dsa", "--dsa-topk", "8", "--index-heads", "2", "--index-head-dim", "8"]
+    assert main([*ARGV, *F64, *dsa, "--json", str(tmp_path / "one.json")]) == 0
+    rc, out, _ = torchrun(2, [*ARGV[1:], *F64, *dsa, *LAYOUT, "--json", str(tmp_path / "two.json")])
+    assert rc == 0, out
+    one, two = _json(tmp_path / "one.json"), _json(tmp_path / "two.json")
+    assert one["attention"] == two["attention"] == "dsa" and two["world_size"] == 2
+    assert _rel(two["loss"], one["loss"]) <= F64_RTOL and two["recall"] == one["recall"]

@@ -36,8 +36,10 @@ _OPTIM = {"steps": "steps", "batch_size": "global-batch", "lr": "lr", "warmup": 
 #: LMConfig's size fields, written out so that ``sparseops --help`` does not import torch
 _MODEL_INT = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "dense_layers", "ffn_size",
               "num_experts", "top_k", "expert_ffn_size", "compress_block_size", "compress_stride",
-              "select_block_size", "select_count", "window_size")
-_MODEL_FLOAT = ("aux_loss_coeff", "rope_theta")
+              "select_block_size", "select_count", "window_size", "dsa_topk", "index_heads", "index_head_dim")
+_MODEL_FLOAT = ("aux_loss_coeff", "rope_theta", "indexer_loss_coeff")
+#: LMConfig.attention's values (sparseops.models.lm.ATTENTIONS)
+_ATTENTIONS = ("nsa", "dsa")
 
 
 def _float_or_none(text: str):
@@ -78,11 +80,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         g.add_argument(f"--recall-{flag}", dest=f"recall_{name}", type=int, default=None, metavar="N",
                        help=f"recall task: {name.replace('_', ' ')}")
     g = parser.add_argument_group("model (default: the demo's)")
+    g.add_argument("--attention", dest="model_attention", choices=_ATTENTIONS, default=None,
+                   help="nsa: NativeSparseAttention (default); dsa: DeepSeekSparseAttention (--dsa-topk keys per "
+                        "query, an --index-heads x --index-head-dim indexer trained by its KL loss)")
     for name in _MODEL_INT:
         g.add_argument(f"--{name.replace('_', '-')}", dest=f"model_{name}", type=int, default=None, metavar="N")
     for name in _MODEL_FLOAT:
-        g.add_argument(f"--{name.replace('_', '-')}", dest=f"model_{name}", type=_float_or_none, default=None,
-                       metavar="X", help="'none' for no RoPE" if name == "rope_theta" else None)
+        rope = name == "rope_theta"  # the one with an off
+        g.add_argument(f"--{name.replace('_', '-')}", dest=f"model_{name}", type=_float_or_none if rope else float,
+                       default=None, metavar="X", help="'none' for no RoPE" if rope else None)
     g = parser.add_argument_group("layout (torchrun's world: dp_replicate * dp_shard ranks)")
     g.add_argument("--dp-replicate", type=int, default=1, metavar="N", help="replicas (HSDP with --dp-shard)")
     g.add_argument("--dp-shard", type=int, default=-1, metavar="N", help="FSDP ranks per replica (-1: the rest)")
@@ -184,8 +190,8 @@ def build_spec(args: argparse.Namespace, world: int):
     task, model, optim = demo_setup()
     given = {k: getattr(args, f.replace("-", "_")) for k, f in _OPTIM.items()}
     optim = dataclasses.replace(optim, **{k: v for k, v in given.items() if v is not None})
-    model = dataclasses.replace(model, **{n: getattr(args, f"model_{n}") for n in _MODEL_INT + _MODEL_FLOAT
-                                          if getattr(args, f"model_{n}") is not None})
+    model = dataclasses.replace(model, **{n: getattr(args, f"model_{n}") for n in (*_MODEL_INT, *_MODEL_FLOAT,
+                                          "attention") if getattr(args, f"model_{n}") is not None})
     if args.replicated_tokens and args.ddp:
         raise _Bad("--ddp: expected no --ddp with --replicated-tokens (no data parallelism), got both")
     if args.replicated_tokens and (args.save or args.resume):
@@ -313,6 +319,7 @@ def config_argv(task, model, optim) -> list[str]:
     argv = ["--seq-len", str(task.seq_len)]
     argv += [x for n, f in _RECALL.items() for x in (f"--recall-{f}", str(getattr(task, n)))]
     argv += [x for n in _MODEL_INT + _MODEL_FLOAT for x in (f"--{n.replace('_', '-')}", str(getattr(model, n)))]
+    argv += ["--attention", model.attention]
     argv += [x for n, f in _OPTIM.items() for x in (f"--{f}", repr(getattr(optim, n)))]
     return argv
 
@@ -328,7 +335,8 @@ def _result_json(args, spec, world: int, result: dict, error: str | None) -> dic
     return {"steps": result.get("steps", []), "loss": result.get("loss", []),
             "resumed_from": result.get("resumed_from"), "world_size": world,
             "dims": spec.layout.dims(), "data_parallel": spec.layout.data_parallel,
-            "dtype": args.dtype, "autocast": args.autocast, "data": args.data or "recall", "recall": result.get("recall"),
+            "dtype": args.dtype, "autocast": args.autocast, "attention": spec.model.attention,
+            "data": args.data or "recall", "recall": result.get("recall"),
             "checkpoints": result.get("checkpoints", []), "seconds": result.get("seconds"), "error": error}
 
 

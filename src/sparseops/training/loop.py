@@ -4,7 +4,8 @@
 One step, at every layout alike (and bitwise the one-process ``sparseops.models.train.train`` in one process):
 
     every rank: its share of the global batch of step s -> forward -> ce_r = sum of its cross-entropies
-    one all-reduce of [ce_r, nonfinite_r one-hot over the ranks]: the global loss, and a stop on every rank,
+    one all-reduce of [ce_r, aux_r, nonfinite_r one-hot over the ranks]: the global loss (the aux terms' mean over
+        the ranks: DSA's indexer loss is each rank's own tokens' mean), and a stop on every rank,
         naming the step and the ranks, when any rank's loss is not finite (before backward and the step)
     backward of ce_r / (n / W) + aux (the mean over the rank's equal share; parallelize averages over W)
     clip the global gradient norm (in one process the demo's sum, one term per parameter and per expert; on W
@@ -192,19 +193,21 @@ def _step(ctx: _Ctx, model, opt, sched, data, replicated, experts, step, poison:
     ce = F.cross_entropy(logits.to(aux.dtype), targets.to(device), ignore_index=IGNORE_INDEX, reduction="sum")
     if poison:
         ce = ce * math.nan
-    total = ce.detach()
+    total, aux_g = ce.detach(), aux.detach()
     if ctx.world > 1:
-        stats = torch.zeros(1 + ctx.world, dtype=ce.dtype, device=device)
+        stats = torch.zeros(2 + ctx.world, dtype=ce.dtype, device=device)
         if ctx.dp_world > 1:  # the ranks' shares; with replicated tokens every rank holds the whole sum
-            stats[0] = total
-        stats[1 + ctx.rank] = float(not torch.isfinite(total))
+            # the MoE aux loss is the global batch's on every rank already; DSA's indexer loss is the mean over
+            # the rank's own tokens: the mean over the ranks' equal shares is the global one
+            stats[0], stats[1] = total, aux_g
+        stats[2 + ctx.rank] = float(not torch.isfinite(total))
         dist.all_reduce(stats)
-        bad = nonfinite_ranks(stats[1:])
+        bad = nonfinite_ranks(stats[2:])
         if ctx.dp_world > 1:
-            total = stats[0]
+            total, aux_g = stats[0], stats[1] / ctx.dp_world
     else:
         bad = [] if torch.isfinite(total) else [0]
-    loss = float(total / n + aux.detach())
+    loss = float(total / n + aux_g)
     if bad:
         raise TrainingStopped(step, f"non-finite loss on rank(s) {bad} (global loss {loss}); every rank stopped "
                                     "before the optimizer step")
