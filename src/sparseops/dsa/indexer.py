@@ -186,6 +186,9 @@ class _IndexerTopk(torch.autograd.Function):
         return dq.to(q_idx.dtype), dk.to(k_idx.dtype), dw.to(weights.dtype), None, None, None
 
 
+# eager also inside torch.compile: the exact top-k sizes its work by the visible keys it reads on the host, which
+# would graph-break there (with dynamo's Tensor.item() warning at every compile)
+@torch._disable_dynamo
 def indexer_topk(q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor, topk: int, *, cu_seqlens=None,
                  causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The lightning indexer's exact top-k keys per query (docs/dsa.md).
