@@ -58,7 +58,9 @@ def _module(s: dict) -> DeepSeekSparseAttention:
     return m
 
 
-def check_dsa_module(ctx: dict, dtype: torch.dtype):
+def check_dsa_module(ctx: dict, dtype: torch.dtype, autocast: bool = False):
+    """The layer in ``dtype`` (``autocast``: fp32 parameters, the forward under ``torch.autocast(bf16)``, where
+    CUDA runs the indexer's LayerNorm in fp32) against float64 on the CPU."""
     dev = ctx["device"]
     s = SIZES["cuda" if dev.type == "cuda" else "cpu"]
     cu = s["cu"]
@@ -68,20 +70,23 @@ def check_dsa_module(ctx: dict, dtype: torch.dtype):
     x0 = torch.randn(cu[-1], s["hidden"], generator=g, dtype=torch.float64)
     dy = torch.randn(x0.shape, generator=g, dtype=torch.float64)
 
-    def run(mod, d, dt):
-        x = x0.to(d, dt).requires_grad_(True)
-        y, info = mod(x, torch.tensor(cu, dtype=torch.int32, device=d), return_info=True)
-        ((y * dy.to(d, dt)).sum() + info["indexer_loss"]).backward()
+    def run(mod, d, dt, ac=False):
+        x = x0.to(d, dt, copy=True).requires_grad_(True)
+        with torch.autocast(d.type, dtype=torch.bfloat16, enabled=ac):
+            y, info = mod(x, torch.tensor(cu, dtype=torch.int32, device=d), return_info=True)
+        if ac and y.dtype != torch.bfloat16:
+            raise RuntimeError(f"y: expected bfloat16 under autocast, got {y.dtype}")
+        ((y * dy.to(d, y.dtype)).sum() + info["indexer_loss"]).backward()
         return (y.detach().cpu(), info["indexer_loss"].detach().cpu(), x.grad.cpu(),
                 {n: p.grad.cpu() for n, p in mod.named_parameters()}, info["indices"].cpu())
 
-    y, loss, gx, gp, idx = run(m, dev, dtype)
+    y, loss, gx, gp, idx = run(m, dev, dtype, autocast)
     y_r, loss_r, gx_r, gp_r, idx_r = run(ref_m, torch.device("cpu"), torch.float64)
     same = (idx == idx_r).float().mean().item()
     pairs = [("y", y, y_r), ("indexer_loss", loss, loss_r), ("x.grad", gx, gx_r)]
     params = [(f"{n}.grad", gp[n], gp_r[n]) for n in gp]
-    r, what = _worst(pairs + params, dtype)
-    if dtype == torch.bfloat16:
+    r, what = _worst(pairs + params, torch.bfloat16 if autocast else dtype)  # autocast computes in bf16
+    if dtype == torch.bfloat16 or autocast:
         # bf16 roundings of the indexer's scores change near-tied selections, and a different key set is a
         # different function: reported, not gated (the op itself is gated in bf16 by the NSA rows)
         r, what = None, "reported, not gated: " + what
@@ -136,6 +141,7 @@ def check_dsa_speed(ctx: dict, lengths=(8192, 32768)):
 ROWS = [
     ("DeepSeekSparseAttention fp32 fwd+bwd", lambda c: check_dsa_module(c, torch.float32)),
     ("DeepSeekSparseAttention bf16 fwd+bwd", lambda c: check_dsa_module(c, torch.bfloat16)),
+    ("DeepSeekSparseAttention fp32 under bf16 autocast", lambda c: check_dsa_module(c, torch.float32, autocast=True)),
     ("DSA step vs dense SDPA (timing)", check_dsa_speed),
 ]
 

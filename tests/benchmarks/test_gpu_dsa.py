@@ -22,6 +22,8 @@ def test_module_rows_on_the_cpu():
     assert ratio <= 1.0 and "indexer selections" in detail
     ratio, detail = gpu_dsa.check_dsa_module(ctx, torch.bfloat16)
     assert ratio is None and "not gated" in detail
+    ratio, detail = gpu_dsa.check_dsa_module(ctx, torch.float32, autocast=True)  # fp32 parameters, bf16 autocast
+    assert ratio is None and "not gated" in detail
 
 
 def test_timing_row_skips_without_cuda():

@@ -174,3 +174,16 @@ def test_bf16_autocast_is_the_bf16_copy(kernels, monkeypatch):
         assert p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all(), n
         if not n.startswith("index_k_"):
             assert torch.equal(p.grad, q.grad.float()), n
+
+
+def test_autocast_with_an_fp32_norm_as_on_cuda(monkeypatch):
+    """CUDA's autocast runs LayerNorm in fp32 (the CPU's keeps bf16): the indexer's key then comes in fp32 beside
+    its bf16 queries; the layer hands the top-k one dtype, the queries' (emulated here by an fp32 norm)."""
+    torch.manual_seed(0)
+    m = DeepSeekSparseAttention(32, 4, 1, 16, topk=16, index_heads=2, index_head_dim=16)
+    norm = m.index_k_norm.forward
+    monkeypatch.setattr(m.index_k_norm, "forward", lambda t: norm(t).float())
+    x = torch.randn(50, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, info = m(x, [0, 20, 50], return_info=True)
+    assert y.dtype == torch.bfloat16 and torch.isfinite(info["indexer_loss"])

@@ -90,7 +90,8 @@ class DeepSeekSparseAttention(nn.Module):
         if self.detach_indexer_input:
             x = x.detach()
         q_idx = self.index_q_proj(x).view(T, Hi, Di) * Di ** -0.5
-        k_idx = self.index_k_norm(self.index_k_proj(x))
+        # in q_idx's dtype: under CUDA autocast the LayerNorm comes out in fp32 beside the bf16 projections
+        k_idx = self.index_k_norm(self.index_k_proj(x)).to(q_idx.dtype)
         if pos is not None:
             q_idx = apply_rope(q_idx, pos, self.rope_theta)
             k_idx = apply_rope(k_idx[:, None], pos, self.rope_theta)[:, 0]
