@@ -28,6 +28,17 @@ def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(dev)
 
 
+def autocast_cast(ref: torch.Tensor, *ts):
+    """``ts`` as an enclosing ``torch.autocast`` gives them to a matmul in ``ref``'s dtype
+    (:func:`autocast_dtype`): each floating tensor but float64 cast to autocast's dtype, differentiably; None
+    and the rest unchanged, everything unchanged without autocast."""
+    cdt = autocast_dtype(ref)
+    if cdt is None:
+        return ts
+    return tuple(t.to(cdt) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+                 else t for t in ts)
+
+
 def autocast_off(device_type: str):
     """A context without the enclosing ``torch.autocast`` of ``device_type`` (a null context where none is on):
     for code that picks its own dtypes, which autocast must not re-type."""

@@ -19,7 +19,7 @@ from torch import nn
 
 from .. import _compile
 from .._checks import check_has_data, check_int, check_param_dtype
-from .._numerics import acc_dtype, autocast_dtype
+from .._numerics import acc_dtype, autocast_cast, autocast_dtype
 from .._settings import Settings
 from ..moe.torch_impl import _empty_rows
 
@@ -193,6 +193,14 @@ class _GroupedFFN(torch.autograd.Function):
         return gx, gw1, gw3, gw2, None, None
 
 
+def check_rows_dtype(x: torch.Tensor, w: torch.Tensor) -> None:
+    """``x`` in the experts' weight dtype, or in an enclosing autocast's (TypeError naming both otherwise)."""
+    cdt = autocast_dtype(w)
+    if x.dtype != w.dtype and x.dtype != cdt:
+        also = "" if cdt is None else f" or {cdt} (the enclosing autocast's)"
+        raise TypeError(f"x: expected dtype {w.dtype} (the experts' weights){also}, got {x.dtype}")
+
+
 def check_counts(tokens_per_expert, E: int, R: int) -> list[int]:
     """``tokens_per_expert`` as a list of E non-negative ints summing to R (ValueError/TypeError otherwise)."""
     name = "tokens_per_expert"
@@ -274,10 +282,7 @@ class GroupedExperts(nn.Module):
             raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 2 or x.shape[1] != self.hidden_size:
             raise ValueError(f"x: expected shape [R, H={self.hidden_size}], got {list(x.shape)}")
-        cdt = autocast_dtype(self.w1)
-        if x.dtype != self.w1.dtype and x.dtype != cdt:
-            also = "" if cdt is None else f" or {cdt} (the enclosing autocast's)"
-            raise TypeError(f"x: expected dtype {self.w1.dtype} (the experts' weights){also}, got {x.dtype}")
+        check_rows_dtype(x, self.w1)
         if x.device != self.w1.device:
             raise ValueError(f"x: expected device {self.w1.device} (the experts' weights), got {x.device}")
         counts = check_counts(tokens_per_expert, self.num_experts, x.shape[0])
@@ -289,9 +294,7 @@ class GroupedExperts(nn.Module):
         Under ``torch.autocast`` the GEMMs run in its dtype, as ``F.linear`` would: x and the weights are cast
         (differentiably: the weights' gradients arrive in their own dtype)."""
         w1, w3, w2 = (local_tensor(w) for w in (self.w1, self.w3, self.w2))
-        cdt = autocast_dtype(w1)
-        if cdt is not None and cdt != w1.dtype:
-            x, w1, w3, w2 = (None if t is None else t.to(cdt) for t in (x, w1, w3, w2))
+        x, w1, w3, w2 = autocast_cast(w1, x, w1, w3, w2)
         grouped = _use_grouped(x, w1)
         return _GroupedFFN.apply(x.contiguous(), w1, w3, w2, counts, grouped)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .._numerics import acc_dtype, autocast_dtype
+from .._numerics import acc_dtype, autocast_cast
 from .experts import _empty, _mm_rows, _mm_weight_grad, _use_grouped, check_counts
 
 
@@ -73,19 +73,6 @@ class _GroupedLinear(torch.autograd.Function):
         return gx, gw, gb, None, None, None
 
 
-def _autocast(x, w, bias):
-    """x, w and bias as an enclosing ``torch.autocast`` would give them to ``F.linear`` (unchanged without one)."""
-    cdt = autocast_dtype(x)
-    if cdt is None:
-        return x, w, bias
-
-    def cast(t):
-        ok = isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype not in (torch.float64, cdt)
-        return t.to(cdt) if ok else t
-
-    return cast(x), cast(w), cast(bias)
-
-
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts, *, transposed: bool = False,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """Apply expert e's linear map to its block of expert-sorted rows; differentiable in x, w and bias.
@@ -122,7 +109,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts, *, transposed: bool
         raise ValueError(f"x: expected shape [R, C], got {list(x.shape)}")
     if not x.dtype.is_floating_point:
         raise TypeError(f"x: expected a floating-point dtype, got {x.dtype}")
-    x, w, bias = _autocast(x, w, bias)
+    x, w, bias = autocast_cast(x, x, w, bias)  # as F.linear under autocast
     if w.dim() != 3:
         raise ValueError(f"w: expected shape [E, N, C] or [E, C, N] (transposed), got {list(w.shape)}")
     E, C = w.shape[0], (w.shape[1] if transposed else w.shape[2])
@@ -150,7 +137,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts, *, transposed: bool
 def grouped_linear_unchecked(x: torch.Tensor, w: torch.Tensor, counts: list[int], *, transposed: bool = False,
                              bias: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`grouped_linear` without the argument checks (``counts`` already a checked list of ints)."""
-    x, w, bias = _autocast(x, w, bias)
+    x, w, bias = autocast_cast(x, x, w, bias)
     w_nc = w.transpose(-2, -1) if transposed else w
     grouped = _use_grouped(x, w_nc)
     return _GroupedLinear.apply(x.contiguous(), w, bias, counts, transposed, grouped)

@@ -13,12 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import BACKENDS, check_float, check_int, check_param_dtype
-from .._numerics import autocast_dtype
+from .._numerics import autocast_cast
 from ..distributed.collectives import even_sizes, gather_rows, split_rows
 from ..distributed.dispatchers import DISPATCH, DISPATCHERS, Plan
 from ..distributed.expert_parallel import ExpertParallelModule, inside_ddp
 from .capacity import DROP_POLICIES, capacity, drop_to_sink
-from .experts import ACTIVATIONS, GroupedExperts, _act_fwd
+from .experts import ACTIVATIONS, GroupedExperts, _act_fwd, check_rows_dtype
 from .router import TopKRouter
 from .stats import gather_stats
 
@@ -171,10 +171,7 @@ class MoELayer(ExpertParallelModule):
         if x.dtype not in DTYPES:
             raise TypeError(f"x: expected one of {DTYPES}, got {x.dtype}")
         w = next(self.experts.parameters())
-        cdt = autocast_dtype(w)
-        if x.dtype != w.dtype and x.dtype != cdt:
-            also = "" if cdt is None else f" or {cdt} (the enclosing autocast's)"
-            raise TypeError(f"x: expected dtype {w.dtype} (the experts' weights){also}, got {x.dtype}")
+        check_rows_dtype(x, w)
         if self.ep_size > 1 and self.batch_group is None and inside_ddp():
             raise ValueError(
                 "model: expected no torch.nn.parallel.DistributedDataParallel around a MoELayer built with "
@@ -193,10 +190,10 @@ class MoELayer(ExpertParallelModule):
             indices = drop_to_sink(indices, probs, E, capacity(self.capacity_factor, T, K, E), self.drop_policy)
         dispatch = self._dispatch_replicated if self.replicated_tokens and self.ep_size > 1 else self._dispatch
         # under autocast the rows travel and meet the experts in its dtype (the router above stays in fp32)
-        xd = x2 if cdt is None else x2.to(cdt)
+        xd, = autocast_cast(w, x2)
         y, loss, routed_slots, kept_g = dispatch(xd, indices, probs, routed, psum, zsum)
         if self.shared is not None:
-            y = y + self.shared(x2)
+            y = y + self.shared(xd)  # its F.linear would cast x2 again
         dropped = int(round(routed_slots)) - int(sum(kept_g))
         y = y if y.shape == x.shape else y.view(x.shape)  # no view of [T, H] (FSDP2 warns about returned views)
         return y, MoEAux(loss, torch.tensor(kept_g, dtype=torch.int64, device=x.device), dropped)
