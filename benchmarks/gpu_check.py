@@ -97,10 +97,14 @@ def _moe_inputs(s: dict, rank: int):
             torch.randn(s["T"], s["H"], generator=g, dtype=torch.float64))
 
 
-def _moe_run(layer: MoELayer, x0, g0, dtype, device) -> dict:
-    """One forward + backward of ``(y * g).sum() + aux``; everything returned on the CPU."""
+def _moe_run(layer: MoELayer, x0, g0, dtype, device, autocast: bool = False) -> dict:
+    """One forward (under ``torch.autocast(bf16)`` with ``autocast``) + backward of ``(y * g).sum() + aux``;
+    everything returned on the CPU."""
     x = x0.to(device, dtype).requires_grad_(True)
-    y, aux = layer(x)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        y, aux = layer(x)
+    if autocast and y.dtype != torch.bfloat16:
+        raise RuntimeError(f"y: expected bfloat16 under autocast, got {y.dtype}")
     ((y * g0.to(device, dtype)).sum() + aux.loss).backward()
     with torch.no_grad():
         idx = layer.router.route(x.detach())[2]
@@ -119,48 +123,30 @@ def _moe_oracle(P: dict, xs, gs, s: dict, indices) -> dict:
             "grads": dict(zip(leaves, grads[len(xs):]))}
 
 
-def check_moe_layer(ctx: dict, dtype: torch.dtype):
+def check_moe_layer(ctx: dict, dtype: torch.dtype, autocast: bool = False):
+    """The layer in ``dtype`` against the float64 oracle. ``autocast``: fp32 parameters, the forward under
+    ``torch.autocast(bf16)`` (the router in fp32, the experts in bf16; docs/moe-layer.md, "Under torch.autocast"),
+    against the oracle on the bf16 values of the experts' weights, with the bf16 tolerance."""
     s = ctx["sizes"]["moe"]
     P = _moe_params(s)
     torch.manual_seed(0)
     layer = MoELayer(s["H"], s["F"], s["E"], s["K"], aux_loss_coeff=1e-2, device=ctx["device"], dtype=dtype)
     _load_moe(layer, P, 0, s["E"])
     x0, g0 = _moe_inputs(s, 0)
-    got = _moe_run(layer, x0, g0, dtype, ctx["device"])
+    got = _moe_run(layer, x0, g0, dtype, ctx["device"], autocast)
+    if autocast:
+        if any(g.dtype != torch.float32 for g in got["grads"].values()):
+            raise RuntimeError("the parameters' gradients: expected float32 under autocast")
+        P = {**P, **{n: P[n].to(torch.bfloat16).double() for n in ("w1", "w3", "w2")}}
     ref = _moe_oracle(P, [x0], [g0], s, [got["indices"]])  # the same choices (a near-tie may flip in bf16)
     g = got["grads"]
     pairs = [("y", got["y"], ref["ys"][0]), ("x.grad", got["x"], ref["xs"][0]),
              ("router.grad", g["router.weight"], ref["grads"]["router"])]
     pairs += [(f"{n}.grad", g[f"experts.{n}"], ref["grads"][n]) for n in ("w1", "w3", "w2")]
+    if autocast:
+        r, what = worst(pairs, torch.bfloat16)
+        return r, f"{what} (bf16 tolerance)"
     return worst(pairs, dtype)
-
-
-def check_moe_layer_autocast(ctx: dict):
-    """fp32 parameters, the forward under ``torch.autocast(bf16)``: the router in fp32, the experts in bf16; against
-    the float64 oracle on the bf16 values of the experts' weights (docs/moe-layer.md, "Under torch.autocast")."""
-    s, dev = ctx["sizes"]["moe"], ctx["device"]
-    P = _moe_params(s)
-    torch.manual_seed(0)
-    layer = MoELayer(s["H"], s["F"], s["E"], s["K"], aux_loss_coeff=1e-2, device=dev, dtype=torch.float32)
-    _load_moe(layer, P, 0, s["E"])
-    x0, g0 = _moe_inputs(s, 0)
-    x = x0.to(dev, torch.float32).requires_grad_(True)
-    with torch.autocast(dev.type, dtype=torch.bfloat16):
-        y, aux = layer(x)
-    if y.dtype != torch.bfloat16:
-        raise RuntimeError(f"y: expected bfloat16 under autocast, got {y.dtype}")
-    ((y.float() * g0.to(dev, torch.float32)).sum() + aux.loss).backward()
-    with torch.no_grad():
-        idx = layer.router.route(x.detach())[2].cpu().tolist()
-    ref = _moe_oracle({**P, **{n: P[n].to(torch.bfloat16).double() for n in ("w1", "w3", "w2")}}, [x0], [g0], s, [idx])
-    grads = {n: p.grad.cpu() for n, p in layer.named_parameters()}
-    pairs = [("y", y.detach().cpu(), ref["ys"][0]), ("x.grad", x.grad.cpu(), ref["xs"][0]),
-             ("router.grad", grads["router.weight"], ref["grads"]["router"])]
-    pairs += [(f"{n}.grad", grads[f"experts.{n}"], ref["grads"][n]) for n in ("w1", "w3", "w2")]
-    if any(g.dtype != torch.float32 for g in grads.values()):
-        raise RuntimeError("the parameters' gradients: expected float32 under autocast")
-    r, what = worst(pairs, torch.bfloat16)
-    return r, f"{what} (bf16 tolerance)"
 
 
 def _ep_worker(rank: int, ws: int, s: dict, device_type: str) -> dict:
@@ -374,7 +360,7 @@ def check_nsa_tests(ctx: dict):
 CHECKS = [
     ("MoELayer fp32 fwd+bwd vs float64 oracle", lambda c: check_moe_layer(c, torch.float32)),
     ("MoELayer bf16 fwd+bwd vs float64 oracle", lambda c: check_moe_layer(c, torch.bfloat16)),
-    ("MoELayer fp32 under bf16 autocast vs float64 oracle", check_moe_layer_autocast),
+    ("MoELayer fp32 under bf16 autocast vs float64 oracle", lambda c: check_moe_layer(c, torch.float32, True)),
     ("MoELayer EP world size 1", lambda c: check_moe_ep(c, 1)),
     ("MoELayer EP world size 2", lambda c: check_moe_ep(c, 2)),
     ("transformers experts 'sparseops' bf16", check_transformers_experts),
