@@ -36,9 +36,10 @@ import time
 import torch
 
 if __package__:
-    from . import _common
+    from . import _common, _hf_block
 else:
     import _common
+    import _hf_block
 
 # after _common, which puts a source checkout's src/ first on sys.path
 
@@ -296,108 +297,6 @@ def bench_ep(mode: str, warmup: int, runs: int) -> dict:
 # ------------------------------------------------------------------------------------------------------- reporting
 
 
-# ------------------------------------------------------------------------ transformers block: experts backends
-
-HF_IMPLS = ("sparseops", "grouped_mm", "eager")
-
-
-def build_hf_block(s: dict, dtype: torch.dtype, seed: int = 0):
-    """transformers' Qwen3-MoE sparse block, random weights, or ``(None, why)``."""
-    try:
-        from transformers import Qwen3MoeConfig
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-
-        import sparseops.integrations.transformers  # noqa: F401  (registers "sparseops")
-    except Exception as exc:  # missing or broken install: reported, never fatal
-        return None, f"transformers not importable ({type(exc).__name__}: {exc})"
-    cfg = Qwen3MoeConfig(hidden_size=s["H"], moe_intermediate_size=s["F"], num_experts=s["E"],
-                         num_experts_per_tok=s["K"], norm_topk_prob=True, hidden_act="silu")
-    cfg._experts_implementation = "grouped_mm"
-    torch.manual_seed(seed)
-    block = Qwen3MoeSparseMoeBlock(cfg)
-    with torch.no_grad():
-        for p in block.parameters():
-            p.normal_(0, s["H"] ** -0.5)
-    return block.to(dtype), None
-
-
-def _hf_step(block, impl: str, x: torch.Tensor, gy: torch.Tensor):
-    def step():
-        block.experts.config._experts_implementation = impl
-        for p in block.parameters():
-            p.grad = None
-        xx = x.detach().requires_grad_(True)
-        y = block(xx[None])[0]
-        y.backward(gy)
-        return y
-    return step
-
-
-def bench_hf_block(mode: str, warmup: int, runs: int, log) -> list[dict]:
-    """The Qwen3-MoE block with experts_implementation sparseops, grouped_mm and eager, fwd + bwd, in turn run
-    after run; sparseops' output is checked against grouped_mm's first (the same block, the same routing)."""
-    s = SHAPES[mode]
-    rows = []
-    for name, dtype in DTYPES.items():
-        block, why = build_hf_block(s, dtype)
-        row = {**s, "dtype": name, "impl": {}}
-        if block is None:
-            row["why_not"] = why
-            log(f"transformers block skipped: {why}")
-            rows.append(row)
-            continue
-        g = torch.Generator().manual_seed(1)
-        x = torch.randn(s["T"], s["H"], generator=g).to(dtype)
-        gy = torch.randn(s["T"], s["H"], generator=g).to(dtype)
-        with torch.no_grad():
-            ys = {}
-            for impl in ("sparseops", "grouped_mm"):
-                block.experts.config._experts_implementation = impl
-                ys[impl] = block(x[None])[0].float()
-        row["check"] = {"rel_rms_err_vs_grouped_mm": rel_rms_error(ys["sparseops"], ys["grouped_mm"])}
-        row["check"]["ok"] = row["check"]["rel_rms_err_vs_grouped_mm"] <= TOLERANCES[dtype]
-        if not row["check"]["ok"]:
-            log(f"{name}: sparseops differs from grouped_mm: {row['check']}; not timed")
-            rows.append(row)
-            continue
-        steps = {impl: _hf_step(block, impl, x, gy) for impl in HF_IMPLS}
-        times: dict[str, list[float]] = {k: [] for k in steps}
-        for fn in steps.values():
-            for _ in range(warmup):
-                fn()
-        gc.collect()
-        for _ in range(runs):
-            for k, fn in steps.items():
-                t0 = time.perf_counter()
-                fn()
-                times[k].append(time.perf_counter() - t0)
-        for k, v in times.items():
-            row["impl"][k] = {"time_s": statistics.median(v), "min_s": min(v)}
-            log(f"{name}: transformers block, experts_implementation={k}: {row['impl'][k]['time_s'] * 1e3:.0f} ms")
-        row["speedup_vs_grouped_mm"] = row["impl"]["grouped_mm"]["time_s"] / row["impl"]["sparseops"]["time_s"]
-        row["goal_speedup_met"] = row["speedup_vs_grouped_mm"] >= SPEEDUP_GOAL
-        rows.append(row)
-        del block, steps
-        gc.collect()
-    return rows
-
-
-def hf_block_markdown(rows: list[dict]) -> list[str]:
-    hdr = ("dtype", "T, H, F, E, K", "sparseops ms", "grouped_mm ms", "eager ms", "sparseops vs grouped_mm",
-           "goal 1.2x")
-    lines = ["", "transformers Qwen3-MoE block, experts_implementation (forward + backward):", "",
-             "| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
-    for r in rows:
-        if "speedup_vs_grouped_mm" not in r:
-            lines.append(f"| {r['dtype']} | - | {r.get('why_not') or r.get('check')} | | | | |")
-            continue
-        ms = [f"{r['impl'][k]['time_s'] * 1e3:.0f}" for k in HF_IMPLS]
-        lines.append("| " + " | ".join([r["dtype"], f"{r['T']}, {r['H']}, {r['F']}, {r['E']}, {r['K']}", *ms,
-                                         f"{r['speedup_vs_grouped_mm']:.2f}x",
-                                         "met" if r["goal_speedup_met"] else "missed"]) + " |")
-    return lines
-
-
 def markdown(record: dict) -> str:
     f, env = record["floors"], record["env"]
     lines = [f"{env['date_utc']}, {env['cpu_count']} cores ({env['torch_threads']} torch threads), torch "
@@ -433,7 +332,7 @@ def markdown(record: dict) -> str:
             ms = ", ".join(f"{t * 1e3:.0f}" for t in v["time_s_per_rank"])
             lines.append(f"| {d} | {mib} | {v['mean_over_minimum']:.2f} | {ms} |")
     if record.get("transformers_block"):
-        lines += hf_block_markdown(record["transformers_block"])
+        lines += _hf_block.markdown(record["transformers_block"], SPEEDUP_GOAL)
     return "\n".join(lines)
 
 
@@ -476,7 +375,7 @@ def main(argv=None) -> int:
     record = {"op": "MoELayer forward + backward", "mode": mode_name, "env": env, "gate": gate, "floors": floors,
               "rows": rows}
     if not args.no_peers:
-        record["transformers_block"] = bench_hf_block(mode_name, warmup, runs, log)
+        record["transformers_block"] = _hf_block.bench(SHAPES[mode_name], RUNS, warmup, runs, SPEEDUP_GOAL, log)
     try:
         import importlib.metadata as md
 
