@@ -145,6 +145,36 @@ def test_an_unsupported_call_falls_back_to_eager_with_one_warning():
     assert_close(ex(x, idx, w), ref, torch.float64, "supported call")
 
 
+def test_a_subclass_overriding_forward_falls_back_to_the_decorated_eager_forward():
+    # Ergo's ErgoExperts subclasses its decorated projections and calls super().forward: the fallback runs the
+    # decorated class's eager forward, not the subclass's (which leads back into sparseops: it recursed forever)
+    from sparseops.integrations import transformers_experts
+
+    class TaggedParameter(torch.nn.Parameter):  # what quantization / offload libraries put in place
+        pass
+
+    model = tiny_model("mixtral")
+    ex = _experts_modules(model)[0]
+    base = type(ex)
+
+    class ScaledExperts(base):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return 2.0 * super().forward(hidden_states, top_k_index, top_k_weights)
+
+    ex.__class__ = ScaledExperts
+    x = torch.randn(5, 32, dtype=torch.float64)
+    idx, w = routing(5, ex.num_experts, 2)
+    ex.config._experts_implementation = "eager"
+    ref = ex(x, idx, w)
+    ex.config._experts_implementation = "sparseops"
+    assert_close(ex(x, idx, w), ref, torch.float64, "sparseops path")
+    ex.down_proj = TaggedParameter(ex.down_proj.detach().clone())
+    transformers_experts._WARNED.clear()
+    with pytest.warns(RuntimeWarning, match="down_proj is a TaggedParameter"):
+        out = ex(x, idx, w)
+    assert_close(out, ref, torch.float64, "fallback")
+
+
 def test_quantized_weights_fall_back_with_the_reason():
     from sparseops.integrations import transformers_experts
 

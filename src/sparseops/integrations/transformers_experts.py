@@ -34,9 +34,14 @@ _WARNED: set[tuple[str, str]] = set()
 
 
 def _eager_forward(module):
-    """The experts class's own forward (the one ``use_experts_implementation`` wrapped)."""
-    fwd = type(module).forward
-    return getattr(fwd, "__wrapped__", fwd)
+    """The forward ``use_experts_implementation`` wrapped: that of the nearest class in the module's MRO whose own
+    forward is the decorated one. A subclass may override ``forward`` and call ``super().forward`` (Ergo's
+    ``ErgoExperts``): its forward leads back here, so falling back to it would recurse."""
+    for cls in type(module).__mro__:
+        fwd = cls.__dict__.get("forward")
+        if fwd is not None and hasattr(fwd, "__wrapped__"):
+            return fwd.__wrapped__
+    return type(module).forward
 
 
 def _params(module):
