@@ -182,6 +182,13 @@ def saved(tmp_path_factory):
     (root / "two").mkdir()
     shutil.copytree(root / "ck" / "step_2", root / "two" / "step_2")
     (torch.arange(4 * 81 * 3) % 24).to(torch.uint16).numpy().tofile(root / "t.bin")  # the recall task's vocabulary
+    for name in ("trunc", "empty"):  # damaged copies: a truncated shard, an empty .metadata
+        shutil.copytree(root / "ck" / "step_2", root / name / "step_2")
+    with open(root / "trunc" / "step_2" / "__0_0.distcp", "r+b") as f:
+        f.truncate(1000)
+    (root / "empty" / "step_2" / ".metadata").write_bytes(b"")
+    (root / "blocked").mkdir()
+    (root / "blocked" / "step_2").write_text("")
     return root
 
 
@@ -200,10 +207,18 @@ def _tree(root: Path) -> list[str]:
     (["--save", "{ck}"], "--save: expected a directory with no complete checkpoint after step 0 .*holding step_2, step_4"),
     (["--resume", "{saved}/two", "--save", "{ck}"], "--save: expected .* after step 2 .*holding step_4; resume"),
     (["--save", "{saved}/t.bin"], "--save: expected a directory that can be written, got .*t.bin' .*t.bin' is a file."),
+    (["--save", "{saved}/blocked"], "--save: expected only checkpoint directories named step_<s> in .*blocked', got "
+                                   "step_2, not a directory"),
+    (["--json", "/dev/null"], "--json: expected a regular file path, got '/dev/null', which exists and is not a"),
     (["--json", "{saved}"], "--json: expected a file path, got .*, a directory"),
     (["--resume", "{ck}", "--steps", "3"], "--steps: expected at least the resumed step 4 .*, got 3"),
+    (["--resume", "{saved}/trunc"], r"--resume: expected '.*trunc/step_2/__0_0.distcp' of at least \d+ bytes \(as the "
+                                    r"checkpoint's .metadata records\), got 1000 bytes: a damaged or partial checkpoint"),
+    (["--resume", "{saved}/empty"], r"--resume: expected a readable .metadata in '.*empty/step_2', got one that does "
+                                    r"not read \(EOFError: .*\): a damaged checkpoint"),
 ], ids=["experts", "hidden", "data-kind", "lr", "weight-decay", "save-over-later", "resume-save-over-later",
-        "save-a-file", "json-a-directory", "steps-before-resumed"])
+        "save-a-file", "save-a-file-in-the-way", "json-a-device", "json-a-directory", "steps-before-resumed", "truncated-shard",
+        "empty-metadata"])
 def test_resume_and_outputs_checked_before_any_collective(saved, tmp_path, monkeypatch, capsys, extra, match):
     """A checkpoint of another model, data or optimizer setting, a --save directory whose later checkpoints the
     run would write over (or a later --resume would pick), an output that cannot be written: exit 2 naming the
@@ -219,6 +234,74 @@ def test_resume_and_outputs_checked_before_any_collective(saved, tmp_path, monke
     assert main([*ARGV, "--ep", "2", "--comm-timeout", "5", *extra, *out]) == 2
     assert re.search(match, capsys.readouterr().err)
     assert _tree(saved) == before and _tree(tmp_path) == []
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_the_run_with_a_message(tmp_path, monkeypatch, capsys,
+                                                                         one_thread):
+    """The second save fails (a full disk, as DCP's writer reports it): exit 1 naming the step, the checkpoint and
+    the first rank's error, the JSON written with it, the incomplete step_4 removed; step_2 stays whole."""
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    calls = []
+    write = FileSystemWriter.write_data
+
+    def full_disk(self, plan, planner):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full_disk)
+    ck = tmp_path / "ck"
+    assert main([*ARGV, "--save", str(ck), "--save-every", "2", "--json", str(tmp_path / "r.json")]) == 1
+    err = capsys.readouterr().err
+    want = f"stopped at step 3: the checkpoint {ck / 'step_4'} could not be written: rank 0: OSError: [Errno 28]"
+    assert want in err, err
+    r = _json(tmp_path / "r.json")
+    assert r["steps"] == [0, 1, 2, 3] and r["checkpoints"] == [str(ck / "step_2")]
+    assert r["error"].startswith("step 3: the checkpoint ")
+    assert (ck / "step_2" / ".metadata").is_file() and not (ck / "step_4").exists()
+
+
+def test_a_json_that_cannot_be_written_at_the_end_exits_1(tmp_path, monkeypatch, capsys, one_thread):
+    """The launch check passed but the write at the end fails: a message naming --json, exit 1, no partial file."""
+    from sparseops.cli import train as cli_train
+
+    real = Path.write_text
+
+    def fail(self, *a, **k):
+        if self.name.endswith(".tmp"):
+            raise OSError(28, "No space left on device")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Path, "write_text", fail)
+    assert cli_train._write_json(tmp_path / "r.json", {"a": 1}).startswith("could not write")
+    assert main([*ARGV, "--steps", "1", "--json", str(tmp_path / "r.json")]) == 1
+    assert "--json: could not write" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_that_fails_to_read_after_the_launch_checks_exits_1(saved, tmp_path, monkeypatch, capsys,
+                                                                         one_thread):
+    """Damage the launch checks cannot see (the shard's bytes themselves): exit 1 naming --resume, the checkpoint
+    and the error, the JSON written with it."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    read = FileSystemReader.read_data
+
+    def damaged(self, plan, planner):  # the tensors' bytes fail; the launch checks read values only
+        if any(item.type == LoadItemType.TENSOR for item in plan.items):
+            raise OSError(5, "Input/output error")
+        return read(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemReader, "read_data", damaged)
+    assert main([*ARGV, "--resume", str(saved / "two"), "--json", str(tmp_path / "r.json")]) == 1
+    err = capsys.readouterr().err
+    assert f"--resume: the checkpoint {saved / 'two' / 'step_2'} could not be read: rank 0: OSError: [Errno 5]" in err
+    assert _json(tmp_path / "r.json")["error"].startswith("--resume: the checkpoint")
 
 
 def test_resume_without_optimizer_flags_keeps_the_checkpoints(saved):

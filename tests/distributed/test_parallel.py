@@ -415,6 +415,20 @@ def test_one_process_resume_and_incompatible(ckpt_dir, w4, oracle):
         ckpt.load(f"{ckpt_dir}/nowhere", _model())
 
 
+def test_a_checkpoint_of_a_larger_model_is_refused(tmp_path):
+    """A model with a block fewer than the checkpoint's: ValueError naming the entries it lacks, nothing loaded
+    (DCP loads the keys the loading state has and leaves the rest: a silent partial load)."""
+    big = _model()
+    ckpt.save(tmp_path / "big", big)
+    small = _model()
+    del small.blocks[1]
+    before = {k: v.clone() for k, v in small.state_dict().items()}
+    with pytest.raises(ValueError, match=r"expected no entry the model lacks in the checkpoint .*, got \d+: "
+                                         r"'model\.blocks\.1\..*\(a checkpoint of a larger model\)"):
+        ckpt.load(tmp_path / "big", small)
+    assert all(torch.equal(v, before[k]) for k, v in small.state_dict().items())
+
+
 def test_raw_ep_group_checkpoint_loads_in_one_process(ckpt_dir, w2):
     """The raw ep_group layer's checkpoint (ep = 2) holds both ranks' experts: a one-process layer gets all E."""
     from sparseops.nn import GroupedExperts

@@ -31,12 +31,14 @@ def out_dir_problem(flag: str, folder: str | os.PathLike) -> str | None:
     return f"{flag}: expected a directory that can be written, got {os.fspath(folder)!r} ({os.fspath(probe)!r} {why})"
 
 
-def out_file_problem(flag: str, path: str | os.PathLike) -> str | None:
-    """What keeps ``path`` from being written as a file (a directory, or a folder :func:`out_dir_problem` refuses),
-    or None."""
+def out_file_problem(flag: str, path: str | os.PathLike, replace: bool = False) -> str | None:
+    """What keeps ``path`` from being written as a file (a directory, or a folder :func:`out_dir_problem` refuses;
+    with ``replace``, which writes a file beside it and renames it over, an existing device or pipe), or None."""
     path = Path(path)
     if path.is_dir():
         return f"{flag}: expected a file path, got {os.fspath(path)!r}, a directory"
+    if replace and path.exists() and not path.is_file():
+        return f"{flag}: expected a regular file path, got {os.fspath(path)!r}, which exists and is not a regular file"
     return out_dir_problem(flag, path.parent)
 
 

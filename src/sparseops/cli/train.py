@@ -233,6 +233,10 @@ def build_spec(args: argparse.Namespace, world: int):
             raise _Bad(f"--save: expected a directory with no complete checkpoint after step {resumed} (the start of "
                        f"this run), got {args.save!r} holding {', '.join(later)}; resume from it with --resume "
                        f"{args.save}, or save elsewhere")
+        blocked = [p.name for p in checkpoint.in_the_way(args.save)]
+        if blocked:  # a checkpoint's save there would fail after the steps before it
+            raise _Bad(f"--save: expected only checkpoint directories named step_<s> in {args.save!r}, got "
+                       f"{', '.join(blocked)}, not a directory")
     return RunSpec(model=model, optim=optim, task=task, data_path=args.data, data_dtype=args.data_dtype,
                    seq_len=seq_len, dtype=getattr(torch, args.dtype), layout=layout, save_dir=args.save,
                    save_every=args.save_every, resume=resume, comm_timeout=args.comm_timeout,
@@ -270,7 +274,13 @@ def check_run(spec, data, args: argparse.Namespace):
     except ValueError as exc:
         raise _Bad(f"--resume: {str(exc).removeprefix('checkpoint_id: ')}") from None
     groups = [f"optim.param_groups.0.{k}" for k in ("initial_lr", "weight_decay")]
-    saved = checkpoint.read_values(path, [f"train.data.{k}" for k in ("kind", "num_windows", "seq_len")] + groups)
+    try:
+        saved = checkpoint.read_values(path, [f"train.data.{k}" for k in ("kind", "num_windows", "seq_len")] + groups)
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise _Bad(f"--resume: expected a readable checkpoint, got {path!r}, whose entries do not read "
+                   f"({type(exc).__name__}): a damaged checkpoint") from None
     if "train.data.kind" not in saved:
         raise _Bad(f"--resume: expected a checkpoint of sparseops train (with train.data.kind), got {path!r}")
     try:
@@ -300,7 +310,7 @@ def check_outputs(args: argparse.Namespace, rank: int) -> None:
         problems.append(out_dir_problem("--save", args.save))
     if args.json is not None and rank == 0:
         targets.append(("--json", Path(args.json).parent))
-        problems.append(out_file_problem("--json", args.json))
+        problems.append(out_file_problem("--json", args.json, replace=True))
     for problem in filter(None, problems):
         raise _Bad(problem)
     for flag, folder in targets:  # and by writing there (a check of the mode bits says yes to root)
@@ -340,6 +350,19 @@ def _result_json(args, spec, world: int, result: dict, error: str | None) -> dic
             "checkpoints": result.get("checkpoints", []), "seconds": result.get("seconds"), "error": error}
 
 
+def _write_json(path: Path, record: dict) -> str | None:
+    """Write ``record`` to ``path`` whole or not at all (a file beside it, then renamed); what failed, or None."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        return f"could not write {os.fspath(path)!r} ({exc.strerror or exc}); the run's results are lost"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     env = _torchrun_env()
     rank, world, local_rank = env if env is not None else (0, 1, 0)
@@ -359,6 +382,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
+    from ..training.checkpoint import LoadFailed
     from ..training.faults import TrainingStopped
     from ..training.loop import train_run
 
@@ -388,10 +412,14 @@ def run(args: argparse.Namespace) -> int:
     except TrainingStopped as exc:
         error, status = str(exc), 1
         print(f"sparseops train: rank {rank}: stopped at {exc}", file=sys.stderr, flush=True)
+    except LoadFailed as exc:
+        error, status = str(exc), 1
+        print(f"sparseops train: rank {rank}: {exc}", file=sys.stderr, flush=True)
     if rank == 0 and args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(_result_json(args, spec, world, result, error), indent=1) + "\n")
+        problem = _write_json(Path(args.json), _result_json(args, spec, world, result, error))
+        if problem:
+            print(f"sparseops train: --json: {problem}", file=sys.stderr, flush=True)
+            status = status or 1
     if rank == 0 and status == 0:
         print(f"sparseops train: done, {len(result['steps'])} steps in {result['seconds']:.1f} s"
               + (f", recall {100 * result['recall']:.1f} %" if result.get("recall") is not None else ""), flush=True)

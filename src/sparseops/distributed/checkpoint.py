@@ -4,9 +4,11 @@ DCP does the work: ``get_model_state_dict`` / ``get_optimizer_state_dict`` give 
 moment under its one-process key at its global shape (the experts as DTensors ``[E, ...]``), ``dcp.save``
 writes each shard once, ``dcp.load`` reshards into whatever layout the loading model has. The helpers here
 write the optimizer moments of MoE layers built with a raw ``ep_group`` at their global shape too (their
-model entries already are, by the layer's state-dict hook), and add the checks DCP leaves to its planner's error (a ``CheckpointException`` wrapping the first mismatch): every
-key of the loading state present in the checkpoint at the same shape, as one ``ValueError`` naming the key and
-both shapes, raised before anything is read.
+model entries already are, by the layer's state-dict hook), and add the checks DCP leaves to its planner's error
+(a ``CheckpointException`` wrapping the first mismatch) or to a failed read: a ``.metadata`` that reads and
+files that hold the bytes it records, every key of the loading state present in the checkpoint at the same
+shape, and no model entry in the checkpoint that the loading model lacks, each as one ``ValueError`` naming the
+file or key (and both shapes), raised before any tensor is read.
 """
 
 from __future__ import annotations
@@ -39,19 +41,48 @@ def _shape(value) -> torch.Size | None:
     return value.shape if isinstance(value, torch.Tensor) else None
 
 
-def check_compatible(state_dict: Mapping, checkpoint_id: str | os.PathLike) -> None:
-    """Raise ``ValueError`` unless every tensor of ``state_dict`` is in the checkpoint at the same global shape.
-
-    Reads only the checkpoint's ``.metadata``: no collective, no tensor data. A DTensor's shape is its global
-    shape, so a layout of another ``ep`` or world size is compatible; another E, H or F is not."""
+def read_metadata(checkpoint_id: str | os.PathLike):
+    """The checkpoint's DCP ``Metadata``, after checking that it reads and that every file it names holds the
+    bytes it records (a deleted or truncated shard: a damaged or partial copy), as a ``ValueError`` naming the
+    file; reads no tensor data."""
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = os.fspath(checkpoint_id)
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise ValueError(f"checkpoint_id: expected a complete DCP checkpoint (a .metadata file) at {path!r}, "
                          "got none")
-    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    try:
+        meta = FileSystemReader(path).read_metadata()
+    except Exception as exc:  # an empty or overwritten .metadata: EOFError, UnpicklingError, ...
+        raise ValueError(f"checkpoint_id: expected a readable .metadata in {path!r}, got one that does not read "
+                         f"({type(exc).__name__}: {exc}): a damaged checkpoint") from None
+    need: dict[str, int] = {}
+    for info in (getattr(meta, "storage_data", None) or {}).values():
+        end = int(info.offset) + int(info.length)
+        need[info.relative_path] = max(need.get(info.relative_path, 0), end)
+    for name, end in sorted(need.items()):
+        file = os.path.join(path, name)
+        size = os.path.getsize(file) if os.path.isfile(file) else None
+        if size is None or size < end:
+            got = "no such file" if size is None else f"{size} bytes"
+            raise ValueError(f"checkpoint_id: expected {file!r} of at least {end} bytes (as the checkpoint's "
+                             f".metadata records), got {got}: a damaged or partial checkpoint")
+    return meta
+
+
+def check_compatible(state_dict: Mapping, checkpoint_id: str | os.PathLike,
+                     whole: tuple[str, ...] = ("model",)) -> None:
+    """Raise ``ValueError`` unless every tensor of ``state_dict`` is in the checkpoint at the same global shape,
+    and the checkpoint holds no entry under the top-level names ``whole`` that ``state_dict`` lacks.
+
+    Reads only the checkpoint's ``.metadata``: no collective, no tensor data. A DTensor's shape is its global
+    shape, so a layout of another ``ep`` or world size is compatible; another E, H or F is not, nor a model with
+    fewer layers or experts than the checkpoint's (DCP would load it partially, the rest dropped). The checkpoint
+    is checked by :func:`read_metadata` first."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = os.fspath(checkpoint_id)
+    saved = read_metadata(path).state_dict_metadata
     for key, value in _flatten(state_dict).items():
         if key not in saved:
             hint = " (a checkpoint saved without an optimizer?)" if key.startswith("optim.") else ""
@@ -62,6 +93,12 @@ def check_compatible(state_dict: Mapping, checkpoint_id: str | os.PathLike) -> N
         if shape is not None and isinstance(meta, TensorStorageMetadata) and tuple(meta.size) != tuple(shape):
             raise ValueError(f"checkpoint_id: expected {key!r} of shape {list(shape)} (the model's), got "
                              f"{list(meta.size)} in the checkpoint {path!r}")
+    flat = _flatten({k: v for k, v in state_dict.items() if k in whole})
+    extra = sorted(k for k in saved if k.split(".", 1)[0] in whole and k not in flat)
+    if extra:
+        raise ValueError(f"checkpoint_id: expected no entry the model lacks in the checkpoint {path!r}, got "
+                         f"{len(extra)}: {', '.join(map(repr, extra[:3]))}{', ...' if len(extra) > 3 else ''} "
+                         "(a checkpoint of a larger model)")
 
 
 def _raw_expert_params(model: nn.Module) -> dict:

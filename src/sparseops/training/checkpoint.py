@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import warnings
 from pathlib import Path
 
@@ -49,6 +50,14 @@ def scan(directory: str | os.PathLike) -> tuple[list[tuple[int, Path]], list[Pat
                 else:
                     incomplete.append(child)
     return sorted(complete), sorted(incomplete)
+
+
+def in_the_way(directory: str | os.PathLike) -> list[Path]:
+    """The entries of ``directory`` named ``step_<s>`` that are not directories: a save to that step would fail."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if _NAME.fullmatch(p.name) and not p.is_dir())
 
 
 def newest_complete(directory: str | os.PathLike, flag: str = "--resume") -> tuple[int, Path]:
@@ -156,13 +165,48 @@ def _one_process_quiet():
         yield
 
 
+class LoadFailed(RuntimeError):
+    """A checkpoint could not be read (a damaged file that the launch checks could not see)."""
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint could not be written (on any rank: DCP gathers every rank's write result)."""
+
+
 def save(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: TrainState) -> None:
-    """Write the checkpoint ``path`` (every rank calls it; DCP writes ``.metadata`` last)."""
+    """Write the checkpoint ``path`` (every rank calls it; DCP writes ``.metadata`` last).
+
+    Raises:
+        SaveFailed: a rank could not write its part (a full disk, a file in the way): raised on every rank, the
+            incomplete ``path`` removed by rank 0 (best effort; a later ``--resume`` skips it anyway).
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
     train_state.saved_ranks = None
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer),
              "train": train_state}
-    with _one_process_quiet():
-        dcp.save(state, checkpoint_id=path)
+    try:
+        with _one_process_quiet():
+            dcp.save(state, checkpoint_id=path)
+    except (CheckpointException, OSError) as exc:  # CheckpointException is a BaseException
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        raise SaveFailed(f"the checkpoint {os.fspath(path)} could not be written: {_first_cause(exc)}") from None
+
+
+def _first_cause(exc: BaseException) -> str:
+    """The first rank's error inside DCP's ``CheckpointException`` (or ``exc`` itself), on one line."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        rank, err = min(failures.items(), key=lambda kv: kv[0])
+        inner = err[0] if isinstance(err, tuple) else err  # DCP pairs each rank's error with its traceback
+        return f"rank {rank}: {_one_line(inner)}"
+    return _one_line(exc)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _saved_rng_ranks(path: Path) -> set[int]:
@@ -179,8 +223,14 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, t
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer),
              "train": train_state}
     check_compatible({"model": state["model"]}, path)  # another model: a ValueError naming the key, shapes
-    with _one_process_quiet():
-        dcp.load(state, checkpoint_id=path)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with _one_process_quiet():
+            dcp.load(state, checkpoint_id=path)
+    except (CheckpointException, OSError, EOFError) as exc:  # on every rank (DCP gathers the read results)
+        raise LoadFailed(f"--resume: the checkpoint {os.fspath(path)} could not be read: {_first_cause(exc)}; a "
+                         "damaged checkpoint (resume from an earlier one)") from None
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
     if dist.is_initialized():

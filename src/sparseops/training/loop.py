@@ -154,6 +154,8 @@ def train_run(spec: RunSpec, result: dict, *, device: torch.device | None = None
                 result["checkpoints"].append(str(path))
         except TrainingStopped:
             raise
+        except checkpoint.SaveFailed as exc:  # on every rank (DCP gathers the write results)
+            raise TrainingStopped(step, str(exc)) from None
         except (RuntimeError, dist.DistError) as exc:
             if world == 1:
                 raise
