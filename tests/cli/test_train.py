@@ -141,7 +141,8 @@ def test_config_argv_spells_out_every_setting():
     (1, ["--resume", "{tmp}/none"], "--resume: expected a directory with a complete checkpoint"),
     (1, ["--save-every", "2"], "--save-every: expected --save DIR with it"),
     (1, ["--steps", "0"], "--steps: expected an int >= 1, got 0"),
-    (1, ["--comm-timeout", "0"], "--comm-timeout: expected a number of seconds > 0"),
+    (1, ["--comm-timeout", "0.0004"], r"--comm-timeout: expected a number of seconds in \[1, 604800\], got 0.0004"),
+    (1, ["--comm-timeout", "1e10"], r"--comm-timeout: expected a number of seconds in \[1, 604800\], got 10000000000.0"),
     (1, ["--seq-len", "20"], "the recall task .--seq-len, --recall-.*: seq_len: expected >"),
     (1, ["--data", "{tmp}/missing.bin"], "path: expected a token file"),
     (2, ["--replicated-tokens", "--ep", "1", "--dp-shard", "2"], "--replicated-tokens: expected no --dp-replicate"),
@@ -151,7 +152,7 @@ def test_config_argv_spells_out_every_setting():
     (1, ["--seed", str(2**64)], "--seed: expected an int in .*, got 18446744073709551616"),
     (1, ["--autocast", "bfloat16", "--dtype", "float64"], "--autocast: expected --dtype float32 with it .*got --dtype float64"),
 ], ids=["world-mismatch", "replicate-not-dividing", "ep-not-dividing-shard", "ep-not-dividing-experts",
-        "batch-not-dividing", "resume-nothing", "save-every-alone", "no-steps", "no-timeout", "task", "no-file",
+        "batch-not-dividing", "resume-nothing", "save-every-alone", "no-steps", "timeout-under-a-ms", "timeout-overflowing", "task", "no-file",
         "replicated-with-dp", "negative-clip", "negative-decay", "model", "seed-past-torch",
         "autocast-float64"])
 def test_bad_flags_exit_2_before_any_collective(tmp_path, monkeypatch, capsys, world, extra, match):
@@ -198,8 +199,15 @@ def _tree(root: Path) -> list[str]:
 
 @pytest.mark.parametrize("extra, match", [
     (["--resume", "{ck}", "--num-experts", "8"],
-     r"--resume: expected 'model.blocks.1.ffn.router.weight' of shape \[8, 16\] \(the model's\), got \[4, 16\]"),
-    (["--resume", "{ck}", "--hidden-size", "32"], r"--resume: expected 'model.embed.weight' of shape \[24, 32\]"),
+     r"--num-experts: expected the checkpoint's 4 with --resume \(the run it continues used it; leave the flag out "
+     r"to keep it\), got 8 \(checkpoint '.*step_4'\)"),
+    (["--resume", "{ck}", "--top-k", "1"], r"--top-k: expected the checkpoint's 2 with --resume .*, got 1"),
+    (["--resume", "{ck}", "--rope-theta", "500"], r"--rope-theta: expected the checkpoint's 10000.0 with --resume .*, "
+                                                   r"got 500.0"),
+    (["--resume", "{ck}", "--rope-theta", "none"], r"--rope-theta: expected the checkpoint's 10000.0 with --resume .*, "
+                                                   r"got None"),
+    (["--resume", "{ck}", "--seed", "5"], r"--seed: expected the checkpoint's 0 with --resume .*, got 5"),
+    (["--resume", "{ck}", "--recall-pairs", "3"], r"--recall-pairs: expected the checkpoint's \d+ with --resume"),
     (["--resume", "{ck}", "--data", "{saved}/t.bin", "--eval-sequences", "0"],
      "--resume: data: expected a checkpoint of a token file, got one of 'recall'"),
     (["--resume", "{ck}", "--lr", "0.5"], r"--lr: expected the checkpoint's 0.01 with --resume .*, got 0.5"),
@@ -216,7 +224,7 @@ def _tree(root: Path) -> list[str]:
                                     r"checkpoint's .metadata records\), got 1000 bytes: a damaged or partial checkpoint"),
     (["--resume", "{saved}/empty"], r"--resume: expected a readable .metadata in '.*empty/step_2', got one that does "
                                     r"not read \(EOFError: .*\): a damaged checkpoint"),
-], ids=["experts", "hidden", "data-kind", "lr", "weight-decay", "save-over-later", "resume-save-over-later",
+], ids=["experts", "top-k", "rope", "rope-off", "seed", "recall-task", "data-kind", "lr", "weight-decay", "save-over-later", "resume-save-over-later",
         "save-a-file", "save-a-file-in-the-way", "json-a-device", "json-a-directory", "steps-before-resumed", "truncated-shard",
         "empty-metadata"])
 def test_resume_and_outputs_checked_before_any_collective(saved, tmp_path, monkeypatch, capsys, extra, match):
@@ -302,6 +310,44 @@ def test_a_checkpoint_that_fails_to_read_after_the_launch_checks_exits_1(saved, 
     err = capsys.readouterr().err
     assert f"--resume: the checkpoint {saved / 'two' / 'step_2'} could not be read: rank 0: OSError: [Errno 5]" in err
     assert _json(tmp_path / "r.json")["error"].startswith("--resume: the checkpoint")
+
+
+def test_resume_with_the_flags_left_out_continues_the_checkpoints_run(saved):
+    """``--resume DIR`` alone: the model, the recall task, --seq-len, --seed and --global-batch are the recorded
+    ones (the demo's defaults would build another model, or the same shapes computing something else)."""
+    from sparseops.cli import build_parser
+    from sparseops.cli.train import build_spec
+
+    spec = build_spec(build_parser().parse_args(["train", "--resume", str(saved / "ck")]), 1)
+    assert spec.model == MODEL.replace(vocab_size=TINY_TASK.vocab_size) and spec.task == TINY_TASK
+    assert (spec.optim.seed, spec.optim.batch_size) == (CFG.seed, CFG.batch_size)
+    assert spec.model != build_spec(build_parser().parse_args(["train"]), 1).model
+
+
+def test_checkpoints_without_recorded_settings_are_checked_by_shape(saved, tmp_path):
+    """A checkpoint written before the settings were recorded: the flags are the run's, its shapes checked."""
+    from sparseops.cli import build_parser
+    from sparseops.cli.train import _Bad, build_spec, check_run
+    from sparseops.training.loop import make_data
+
+    old = tmp_path / "old"
+    _strip_settings(saved / "two" / "step_2", old / "step_2", tmp_path)
+    args = build_parser().parse_args([*ARGV, "--resume", str(old), "--top-k", "1"])
+    spec = build_spec(args, 1)
+    assert spec.model.top_k == 1 and check_run(spec, make_data(spec), args).model.top_k == 1
+    args = build_parser().parse_args([*ARGV, "--resume", str(old), "--hidden-size", "32"])
+    spec = build_spec(args, 1)
+    with pytest.raises(_Bad, match=r"--resume: expected 'model.embed.weight' of shape \[24, 32\]"):
+        check_run(spec, make_data(spec), args)
+
+
+def _strip_settings(src: Path, dst: Path, tmp_path: Path) -> None:
+    """A copy of the checkpoint ``src`` without its ``train.settings.*`` entries, as DCP writes it."""
+    import torch.distributed.checkpoint as dcp
+
+    state = _checkpoint(src, tmp_path)
+    del state["train"]["settings"]
+    dcp.save(state, checkpoint_id=dst, no_dist=True)
 
 
 def test_resume_without_optimizer_flags_keeps_the_checkpoints(saved):

@@ -74,3 +74,19 @@ def test_token_file_bad_input(tmp_path):
         TokenFile(tmp_path / "odd.bin", "uint32", 1, 1, 0)
     with pytest.raises(ValueError, match="path: expected a token file"):
         TokenFile(tmp_path / "missing.bin", "uint16", 4, 1, 0)
+
+
+def test_token_file_takes_every_seed_the_cli_accepts(tmp_path):
+    """The epoch's generator seed ``seed * 1000003 + epoch`` is taken mod 2**64: the largest --seed and 2**45
+    overflowed manual_seed; a seed that fitted keeps its order (a negative one as manual_seed wraps it)."""
+    from sparseops.cli._flags import SEED_MAX, SEED_MIN
+
+    path = tmp_path / "t.bin"
+    (torch.arange(200) % 17).to(torch.uint16).numpy().tofile(path)
+    for seed in (SEED_MAX, SEED_MIN, 2**45):
+        TokenFile(path, "uint16", 8, 4, seed).batch(0)
+    for seed in (3, -7):
+        g = torch.Generator().manual_seed(seed * 1_000_003)
+        data = TokenFile(path, "uint16", 8, 4, seed)
+        data.batch(0)
+        assert torch.equal(data._perm[1], torch.randperm(data.num_windows, generator=g))

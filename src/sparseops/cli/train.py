@@ -16,7 +16,9 @@ import os
 import sys
 from pathlib import Path
 
+from . import _resume
 from ._flags import out_dir_problem, out_file_problem, seed_problem
+from ._resume import LEFT_OUT
 
 HELP = "train the NSA + MoE LM under torchrun (or in one process): layouts, DCP checkpoints, resume, faults"
 
@@ -38,6 +40,8 @@ _MODEL_INT = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_di
               "num_experts", "top_k", "expert_ffn_size", "compress_block_size", "compress_stride",
               "select_block_size", "select_count", "window_size", "dsa_topk", "index_heads", "index_head_dim")
 _MODEL_FLOAT = ("aux_loss_coeff", "rope_theta", "indexer_loss_coeff")
+#: the longest --comm-timeout, a week: torch's stores and groups take it in milliseconds, and overflow far above
+_COMM_TIMEOUT_MAX = 7 * 24 * 3600
 #: LMConfig.attention's values (sparseops.models.lm.ATTENTIONS)
 _ATTENTIONS = ("nsa", "dsa")
 
@@ -88,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name in _MODEL_FLOAT:
         rope = name == "rope_theta"  # the one with an off
         g.add_argument(f"--{name.replace('_', '-')}", dest=f"model_{name}", type=_float_or_none if rope else float,
-                       default=None, metavar="X", help="'none' for no RoPE" if rope else None)
+                       default=LEFT_OUT if rope else None, metavar="X", help="'none' for no RoPE" if rope else None)
     g = parser.add_argument_group("layout (torchrun's world: dp_replicate * dp_shard ranks)")
     g.add_argument("--dp-replicate", type=int, default=1, metavar="N", help="replicas (HSDP with --dp-shard)")
     g.add_argument("--dp-shard", type=int, default=-1, metavar="N", help="FSDP ranks per replica (-1: the rest)")
@@ -169,8 +173,8 @@ def build_spec(args: argparse.Namespace, world: int):
     for name, lo in (("steps", 1), ("global_batch", 1), ("seq_len", 1), ("warmup", 0), ("eval_sequences", 0),
                      ("eval_batch", 1), ("threads", 1), ("log_every", 0), ("save_every", 1), ("vocab_size", 1)):
         _check_int(args, name, lo)
-    if not 0 < args.comm_timeout < math.inf:
-        raise _Bad(f"--comm-timeout: expected a number of seconds > 0 (and finite), got {args.comm_timeout}")
+    if not 1 <= args.comm_timeout <= _COMM_TIMEOUT_MAX:  # torch counts it in int milliseconds
+        raise _Bad(f"--comm-timeout: expected a number of seconds in [1, {_COMM_TIMEOUT_MAX}], got {args.comm_timeout}")
     if args.lr is not None and not 0 < args.lr < math.inf:
         raise _Bad(f"--lr: expected a number > 0 (and finite), got {args.lr}")
     if args.clip is not None and not 0 < args.clip < math.inf:  # <= 0 would scale the gradients by <= 0
@@ -187,11 +191,19 @@ def build_spec(args: argparse.Namespace, world: int):
         raise _Bad("--save-every: expected --save DIR with it, got no --save")
     if args.vocab_size is not None and args.data is None:
         raise _Bad("--vocab-size: expected --data PATH with it (the recall task sets its vocabulary)")
+    resume, resumed = None, 0
+    if args.resume is not None:
+        try:
+            resumed, resume = checkpoint.newest_complete(args.resume)
+        except ValueError as exc:
+            raise _Bad(str(exc)) from None
+        _take_settings(args, os.fspath(resume))
     task, model, optim = demo_setup()
     given = {k: getattr(args, f.replace("-", "_")) for k, f in _OPTIM.items()}
     optim = dataclasses.replace(optim, **{k: v for k, v in given.items() if v is not None})
-    model = dataclasses.replace(model, **{n: getattr(args, f"model_{n}") for n in (*_MODEL_INT, *_MODEL_FLOAT,
-                                          "attention") if getattr(args, f"model_{n}") is not None})
+    model = dataclasses.replace(model, **{n: v for n in (*_MODEL_INT, *_MODEL_FLOAT, "attention")
+                                          if (v := getattr(args, f"model_{n}")) is not LEFT_OUT
+                                          and (v is not None or n == "rope_theta")})
     if args.replicated_tokens and args.ddp:
         raise _Bad("--ddp: expected no --ddp with --replicated-tokens (no data parallelism), got both")
     if args.replicated_tokens and (args.save or args.resume):
@@ -216,12 +228,7 @@ def build_spec(args: argparse.Namespace, world: int):
     else:
         task = None
         model = model.replace(vocab_size=args.vocab_size or 0)
-    resume, resumed = None, 0
-    if args.resume is not None:
-        try:
-            resumed, resume = checkpoint.newest_complete(args.resume)
-        except ValueError as exc:
-            raise _Bad(str(exc)) from None
+    if resume is not None:
         if optim.steps < resumed:  # --steps counts from step 0: such a run would train nothing and say done
             raise _Bad(f"--steps: expected at least the resumed step {resumed} (steps count from 0, a resumed run "
                        f"continues up to N), got {optim.steps}")
@@ -237,11 +244,39 @@ def build_spec(args: argparse.Namespace, world: int):
         if blocked:  # a checkpoint's save there would fail after the steps before it
             raise _Bad(f"--save: expected only checkpoint directories named step_<s> in {args.save!r}, got "
                        f"{', '.join(blocked)}, not a directory")
-    return RunSpec(model=model, optim=optim, task=task, data_path=args.data, data_dtype=args.data_dtype,
+    spec = RunSpec(model=model, optim=optim, task=task, data_path=args.data, data_dtype=args.data_dtype,
                    seq_len=seq_len, dtype=getattr(torch, args.dtype), layout=layout, save_dir=args.save,
                    save_every=args.save_every, resume=resume, comm_timeout=args.comm_timeout,
                    log_every=args.log_every, compile=args.compile,
                    autocast=None if args.autocast is None else getattr(torch, args.autocast))
+    return dataclasses.replace(spec, settings=_resume.settings(spec, _MODEL_INT + _MODEL_FLOAT, _RECALL))
+
+
+def _read_values(path: str, keys: list[str]) -> dict:
+    """``training.checkpoint.read_values`` of the ``--resume`` checkpoint, after ``read_metadata``'s checks (a
+    ``.metadata`` that reads, shards that hold its bytes): a damaged checkpoint is ``_Bad`` naming the file."""
+    from ..distributed.checkpoint import read_metadata
+    from ..training import checkpoint
+
+    try:
+        read_metadata(path)
+    except ValueError as exc:
+        raise _Bad(f"--resume: {str(exc).removeprefix('checkpoint_id: ')}") from None
+    try:
+        return checkpoint.read_values(path, keys)
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise _Bad(f"--resume: expected a readable checkpoint, got {path!r}, whose entries do not read "
+                   f"({type(exc).__name__}): a damaged checkpoint") from None
+
+
+def _take_settings(args: argparse.Namespace, path: str) -> None:
+    """The flags left out take the checkpoint's recorded values; one given with another value is refused."""
+    flags = _resume.recorded_flags(_MODEL_INT + _MODEL_FLOAT, _RECALL)
+    saved = _read_values(path, [_resume.PREFIX + f for f in flags])
+    _resume.take_saved(args, {k.removeprefix(_resume.PREFIX): v for k, v in saved.items()}, flags, path, _Bad,
+                       nullable=frozenset({"model_rope_theta"}))
 
 
 def check_run(spec, data, args: argparse.Namespace):
@@ -256,7 +291,6 @@ def check_run(spec, data, args: argparse.Namespace):
 
     from ..distributed.checkpoint import check_compatible
     from ..models.lm import CausalLM
-    from ..training import checkpoint
 
     try:
         with torch.device("meta"):
@@ -274,13 +308,7 @@ def check_run(spec, data, args: argparse.Namespace):
     except ValueError as exc:
         raise _Bad(f"--resume: {str(exc).removeprefix('checkpoint_id: ')}") from None
     groups = [f"optim.param_groups.0.{k}" for k in ("initial_lr", "weight_decay")]
-    try:
-        saved = checkpoint.read_values(path, [f"train.data.{k}" for k in ("kind", "num_windows", "seq_len")] + groups)
-    except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        raise _Bad(f"--resume: expected a readable checkpoint, got {path!r}, whose entries do not read "
-                   f"({type(exc).__name__}): a damaged checkpoint") from None
+    saved = _read_values(path, [f"train.data.{k}" for k in ("kind", "num_windows", "seq_len")] + groups)
     if "train.data.kind" not in saved:
         raise _Bad(f"--resume: expected a checkpoint of sparseops train (with train.data.kind), got {path!r}")
     try:

@@ -137,16 +137,20 @@ class TrainState(Stateful):
     training itself draws no random numbers outside the data stream, which is saved whole.
     """
 
-    def __init__(self, scheduler, data, rank: int, device: torch.device):
+    def __init__(self, scheduler, data, rank: int, device: torch.device, settings: dict | None = None):
         self.step, self.scheduler, self.data, self.rank, self.device = 0, scheduler, data, rank, device
+        self.settings = dict(settings or {})  # the run's flags (saved; a load leaves them to the CLI's checks)
         self.saved_ranks: set[int] | None = None  # set before a load: the ranks whose RNG the checkpoint holds
 
     def state_dict(self) -> dict:
         rng = {}
         if self.saved_ranks is None or self.rank in self.saved_ranks:
             rng[_rng_key(self.rank)] = rng_state(self.device)
-        return {"step": self.step, "scheduler": self.scheduler.state_dict(), "data": self.data.state_dict(),
-                "rng": rng}
+        state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "data": self.data.state_dict(),
+                 "rng": rng}
+        if self.saved_ranks is None and self.settings:  # saving: a load asks for none (older checkpoints lack them)
+            state["settings"] = dict(self.settings)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])

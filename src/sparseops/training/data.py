@@ -135,7 +135,8 @@ class TokenFile:
 
     def _order(self, epoch: int) -> torch.Tensor:
         if self._perm is None or self._perm[0] != epoch:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            # mod 2**64: what manual_seed takes (it wraps a negative seed the same way), for every --seed
+            gen = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**64)
             self._perm = (epoch, torch.randperm(self.num_windows, generator=gen))
         return self._perm[1]
 

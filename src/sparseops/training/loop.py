@@ -85,6 +85,9 @@ class RunSpec:
     #: the forward (and the recall evaluation) under ``torch.autocast`` in this dtype; None: off
     #: (docs/training.md, "Mixed precision")
     autocast: torch.dtype | None = None
+    #: ``{flag: value}`` the checkpoints record (``train.settings.*``: what a resume checks its flags against;
+    #: sparseops.cli._resume); empty: none recorded
+    settings: dict = field(default_factory=dict)
 
 
 def make_data(spec: RunSpec):
@@ -135,7 +138,7 @@ def train_run(spec: RunSpec, result: dict, *, device: torch.device | None = None
     experts = [p for n, p in named if expert_parameter(n)]
     opt = torch.optim.AdamW([p for _, p in named], lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
-    state = checkpoint.TrainState(sched, data, rank, device)
+    state = checkpoint.TrainState(sched, data, rank, device, spec.settings)
     result.update(steps=[], loss=[], resumed_from=None, checkpoints=[], recall=None, seconds=0.0)
     if spec.resume is not None:
         result["resumed_from"] = checkpoint.load(spec.resume, model, opt, state)
