@@ -28,6 +28,9 @@ from ..models.test_lm import TINY, TINY_TASK
 MODEL = TINY.replace(expert_ffn_size=32)
 CFG = TrainConfig(steps=4, batch_size=4, lr=1e-2, warmup=1, eval_sequences=4, eval_batch=4)
 ARGV = ["train", *config_argv(TINY_TASK, MODEL, CFG), "--threads", "1", "--log-every", "1"]
+#: ARGV without the recall task's flags, for --data runs (which refuse them)
+_PAIRS = list(zip(ARGV[1::2], ARGV[2::2]))
+ARGV_DATA = ["train", *(x for f, v in _PAIRS if not f.startswith("--recall-") and f != "--eval-sequences" for x in (f, v))]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -111,7 +114,7 @@ def test_token_file(tmp_path, one_thread):
     ids = torch.randint(0, 50, (4 * 81 * 3,), generator=torch.Generator().manual_seed(0))
     ids.to(torch.uint16).numpy().tofile(tmp_path / "t.bin")
     path = tmp_path / "r.json"
-    assert main([*ARGV, "--data", str(tmp_path / "t.bin"), "--eval-sequences", "0", "--json", str(path)]) == 0
+    assert main([*ARGV_DATA, "--data", str(tmp_path / "t.bin"), "--json", str(path)]) == 0
     r = json.loads(path.read_text())
     assert len(r["loss"]) == 4 and r["loss"][-1] < r["loss"][0] and r["recall"] is None and r["data"].endswith("t.bin")
 
@@ -144,7 +147,12 @@ def test_config_argv_spells_out_every_setting():
     (1, ["--comm-timeout", "0.0004"], r"--comm-timeout: expected a number of seconds in \[1, 604800\], got 0.0004"),
     (1, ["--comm-timeout", "1e10"], r"--comm-timeout: expected a number of seconds in \[1, 604800\], got 10000000000.0"),
     (1, ["--seq-len", "20"], "the recall task .--seq-len, --recall-.*: seq_len: expected >"),
-    (1, ["--data", "{tmp}/missing.bin"], "path: expected a token file"),
+    (1, ["--data", "{tmp}/missing.bin"], "--data: expected a token file, got .*missing.bin' .no such file."),
+    (1, ["--data", "/dev/null"], "--data: expected a token file, got '/dev/null' .not a regular file."),
+    (1, ["--data", "/dev/null", "--recall-pairs", "3", "--eval-sequences", "2"],
+     "--recall-pairs: expected no recall-task flag with --data .*got --recall-pairs --eval-sequences"),
+    pytest.param(1, ["--device", "cuda"], "--device: expected a machine where torch sees CUDA for 'cuda', got none",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")),
     (2, ["--replicated-tokens", "--ep", "1", "--dp-shard", "2"], "--replicated-tokens: expected no --dp-replicate"),
     (1, ["--clip", "-1"], "--clip: expected a number > 0 .and finite., got -1.0"),
     (1, ["--weight-decay", "-0.1"], "--weight-decay: expected a number >= 0 .and finite., got -0.1"),
@@ -152,7 +160,8 @@ def test_config_argv_spells_out_every_setting():
     (1, ["--seed", str(2**64)], "--seed: expected an int in .*, got 18446744073709551616"),
     (1, ["--autocast", "bfloat16", "--dtype", "float64"], "--autocast: expected --dtype float32 with it .*got --dtype float64"),
 ], ids=["world-mismatch", "replicate-not-dividing", "ep-not-dividing-shard", "ep-not-dividing-experts",
-        "batch-not-dividing", "resume-nothing", "save-every-alone", "no-steps", "timeout-under-a-ms", "timeout-overflowing", "task", "no-file",
+        "batch-not-dividing", "resume-nothing", "save-every-alone", "no-steps", "timeout-under-a-ms", "timeout-overflowing", "task", "no-file", "data-a-device",
+        "recall-flags-with-data", "no-cuda",
         "replicated-with-dp", "negative-clip", "negative-decay", "model", "seed-past-torch",
         "autocast-float64"])
 def test_bad_flags_exit_2_before_any_collective(tmp_path, monkeypatch, capsys, world, extra, match):
@@ -164,8 +173,9 @@ def test_bad_flags_exit_2_before_any_collective(tmp_path, monkeypatch, capsys, w
                      "MASTER_PORT": "1"}.items():
             monkeypatch.setenv(k, v)
     extra = ["--comm-timeout", "5", *(x.replace("{tmp}", str(tmp_path)) for x in extra)]
-    assert main([*ARGV, *extra, "--json", str(tmp_path / "r.json"), "--save", str(tmp_path / "ck")]
-                if not {"--save-every", "--replicated-tokens"} & set(extra) else [*ARGV, *extra]) == 2
+    argv = ARGV_DATA if "--data" in extra else ARGV
+    assert main([*argv, *extra, "--json", str(tmp_path / "r.json"), "--save", str(tmp_path / "ck")]
+                if not {"--save-every", "--replicated-tokens"} & set(extra) else [*argv, *extra]) == 2
     assert re.search(match, capsys.readouterr().err)
     assert not (tmp_path / "r.json").exists() and not (tmp_path / "ck").exists()
 
@@ -208,7 +218,7 @@ def _tree(root: Path) -> list[str]:
                                                    r"got None"),
     (["--resume", "{ck}", "--seed", "5"], r"--seed: expected the checkpoint's 0 with --resume .*, got 5"),
     (["--resume", "{ck}", "--recall-pairs", "3"], r"--recall-pairs: expected the checkpoint's \d+ with --resume"),
-    (["--resume", "{ck}", "--data", "{saved}/t.bin", "--eval-sequences", "0"],
+    (["--resume", "{ck}", "--data", "{saved}/t.bin"],
      "--resume: data: expected a checkpoint of a token file, got one of 'recall'"),
     (["--resume", "{ck}", "--lr", "0.5"], r"--lr: expected the checkpoint's 0.01 with --resume .*, got 0.5"),
     (["--resume", "{ck}", "--weight-decay", "0.1"], r"--weight-decay: expected the checkpoint's 0.0 with --resume"),
@@ -239,7 +249,8 @@ def test_resume_and_outputs_checked_before_any_collective(saved, tmp_path, monke
     before = _tree(saved)
     out = [] if "--save" in extra else ["--save", str(tmp_path / "out")]
     out += [] if "--json" in extra else ["--json", str(tmp_path / "r.json")]
-    assert main([*ARGV, "--ep", "2", "--comm-timeout", "5", *extra, *out]) == 2
+    argv = ARGV_DATA if "--data" in extra else ARGV
+    assert main([*argv, "--ep", "2", "--comm-timeout", "5", *extra, *out]) == 2
     assert re.search(match, capsys.readouterr().err)
     assert _tree(saved) == before and _tree(tmp_path) == []
 
@@ -524,8 +535,8 @@ def test_replicated_tokens_is_bitwise_the_one_process_run(oracle, tmp_path):
 @pytest.mark.distributed
 def test_autocast_bf16_at_w2_matches_the_one_process_autocast_run(tmp_path, one_thread):
     """``--autocast bfloat16`` (fp32 parameters, the forward under autocast): the W = 2 run (FSDP, ep 2) gives the
-    one-process autocast run's losses within the bf16 tolerance, and both differ from the fp32 run's (autocast
-    did run); the JSON records it."""
+    one-process autocast run's losses within the bf16 tolerance and much closer to them than to the fp32 run's
+    (autocast did run, at every rank alike); the JSON records it."""
     runs = {}
     for name, extra in (("fp32", []), ("bf16", ["--autocast", "bfloat16"])):
         assert main([*ARGV, *extra, "--json", str(tmp_path / f"{name}.json")]) == 0
@@ -535,7 +546,9 @@ def test_autocast_bf16_at_w2_matches_the_one_process_autocast_run(tmp_path, one_
     two, one = _json(tmp_path / "two.json"), runs["bf16"]
     assert one["autocast"] == two["autocast"] == "bfloat16" and runs["fp32"]["autocast"] is None
     assert _rel(two["loss"], one["loss"]) <= TOLERANCES[torch.bfloat16], (two["loss"], one["loss"])
-    assert one["loss"] != runs["fp32"]["loss"]
+    # closer to the one-process autocast run than that run is to the fp32 run (8e-4 against 9e-3 measured): the
+    # bf16 tolerance alone would also pass the fp32 run's losses
+    assert 3 * _rel(two["loss"], one["loss"]) < _rel(runs["fp32"]["loss"], one["loss"])
     assert "float32 under autocast bfloat16" in out
 
 

@@ -191,6 +191,15 @@ def build_spec(args: argparse.Namespace, world: int):
         raise _Bad("--save-every: expected --save DIR with it, got no --save")
     if args.vocab_size is not None and args.data is None:
         raise _Bad("--vocab-size: expected --data PATH with it (the recall task sets its vocabulary)")
+    if args.data is not None:  # the recall task's flags would be silently ignored
+        recall = [f"--recall-{f}" for n, f in _RECALL.items() if getattr(args, f"recall_{n}") is not None]
+        recall += ["--eval-sequences"] * bool(args.eval_sequences)
+        if recall:
+            raise _Bad(f"{recall[0]}: expected no recall-task flag with --data (next-token prediction on the file), "
+                       f"got {' '.join(recall)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise _Bad("--device: expected a machine where torch sees CUDA for 'cuda', got none "
+                   "(torch.cuda.is_available() is False)")
     resume, resumed = None, 0
     if args.resume is not None:
         try:
@@ -274,6 +283,8 @@ def _read_values(path: str, keys: list[str]) -> dict:
 def _take_settings(args: argparse.Namespace, path: str) -> None:
     """The flags left out take the checkpoint's recorded values; one given with another value is refused."""
     flags = _resume.recorded_flags(_MODEL_INT + _MODEL_FLOAT, _RECALL)
+    if args.data is not None:  # a token file: the recall task's settings are not this run's (its kind is checked)
+        flags = {f: d for f, d in flags.items() if not f.startswith("recall-")}
     saved = _read_values(path, [_resume.PREFIX + f for f in flags])
     _resume.take_saved(args, {k.removeprefix(_resume.PREFIX): v for k, v in saved.items()}, flags, path, _Bad,
                        nullable=frozenset({"model_rope_theta"}))
@@ -398,7 +409,12 @@ def run(args: argparse.Namespace) -> int:
         spec = build_spec(args, world)
         from ..training.loop import make_data
 
-        data = make_data(spec)  # a bad token file fails here, before any collective
+        try:
+            data = make_data(spec)  # a bad token file fails here, before any collective
+        except ValueError as exc:  # TokenFile's arguments: their flags
+            name, _, rest = str(exc).partition(":")
+            flag = {"path": "--data", "dtype": "--data-dtype", "seq_len": "--seq-len", "vocab_size": "--vocab-size"}
+            raise _Bad(f"{flag[name]}:{rest}" if name in flag else str(exc)) from None
         spec = check_run(spec, data, args)
         check_outputs(args, rank)
     except (_Bad, ValueError) as exc:

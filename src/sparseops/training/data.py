@@ -113,7 +113,8 @@ class TokenFile:
             raise ValueError(f"dtype: expected one of {tuple(TOKEN_DTYPES)}, got {dtype!r}")
         path = os.fspath(path)
         if not os.path.isfile(path):
-            raise ValueError(f"path: expected a token file, got {path!r} (no such file)")
+            why = "not a regular file" if os.path.exists(path) else "no such file"
+            raise ValueError(f"path: expected a token file, got {path!r} ({why})")
         itemsize = TOKEN_DTYPES[dtype].itemsize
         nbytes = os.path.getsize(path)
         if nbytes % itemsize:
