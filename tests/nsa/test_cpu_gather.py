@@ -199,3 +199,50 @@ def test_failed_build_warns_once_and_the_torch_path_runs(monkeypatch):
         warnings.simplefilter("error")
         out, _, _ = torch_impl.forward(*_qkv(a), *_args(a))
     assert_close(out, _ref(a, _dout(a, torch.float32))[0], torch.float32)
+
+
+# block ids whose id * bs overflows int64 or wraps to a row before k (validate=False and torch.compile pass them
+# unchecked), the most negative id, and the first ids past the sequence's block count
+HUGE_IDS = [2**60 - 1, 2**60 - 2**36, 2**62 - 1, 2**63 - 1, -(2**63), -2]
+
+
+@pytest.mark.parametrize("bs", [16, 4, 1], ids=["blocks", "token-granularity", "bs1"])
+def test_out_of_range_ids_are_empty_slots(bs, monkeypatch):
+    """Ids outside [0, ceil(S2 / bs)) reach the kernels with validate=False: each is an empty slot, so the
+    forward and every gradient equal (bitwise) the same call with those ids set to -1."""
+    calls = _spy(monkeypatch)
+    T, G, K = 32, 16, 4
+    a = make_nsa_inputs([T], None, N1=G, N2=1, Dqk=16, Dv=16, bs=bs, K=K, dtype=torch.float32, causal=True, seed=5)
+    blocks = -(-T // bs)
+    bad = torch.tensor(HUGE_IDS + [blocks, blocks + 1])
+    topk = a["topk_indices"].to(torch.int64)  # int64: the huge ids do not fit the builder's int32
+    topk[:, :, 1] = bad[torch.arange(T) % len(bad)][:, None]
+    topk[:, :, 3] = bad.flip(0)[torch.arange(T) % len(bad)][:, None]
+    kw = {n: a[n] for n in a if n not in ("query", "key", "value", "topk_indices")}
+    dout = _dout(a, torch.float32)
+
+    def run(ids):
+        q, k, v = (a[n].clone().requires_grad_() for n in ("query", "key", "value"))
+        out, m, l = sparseops.nsa_selected_attention(q, k, v, ids, backend="torch", validate=False, **kw)
+        out.backward(dout)
+        return out, m, l, q.grad, k.grad, v.grad
+
+    got, want = run(topk), run(torch.where((topk < 0) | (topk >= blocks), -1, topk))
+    assert calls == ["forward", "backward"] * 2
+    for name, x, y in zip(("out", "m", "l", "dq", "dk", "dv"), got, want):
+        assert torch.equal(x, y), name
+
+
+def test_head_mean_probs_out_of_range_positions_are_empty():
+    """The DSA loss's target (bs = 1 positions, unchecked under torch.compile): a position outside [0, S) of its
+    sequence gives 0, as -1 does, and leaves the other slots' values unchanged."""
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(20, 16, 8, generator=g), torch.randn(20, 1, 8, generator=g)
+    cu = [0, 12, 20]
+    idx = torch.randint(0, 8, (20, 6), generator=g)
+    idx[:, 2] = torch.tensor(HUGE_IDS + [12, 13, 8])[torch.arange(20) % 9]
+    idx[12:, 4] = 8  # past the second sequence's 8 keys
+    lens = torch.tensor([12] * 12 + [8] * 8)[:, None]
+    want = cpu_gather.head_mean_probs(q, k, torch.where((idx < 0) | (idx >= lens), -1, idx), 0.3, cu)
+    got = cpu_gather.head_mean_probs(q, k, idx, 0.3, cu)
+    assert torch.equal(got, want)

@@ -8,7 +8,9 @@
 //   q [T1, N1, D] (the softmax scale applied as it is loaded), k [T2, N2, D], v [T2, N2, Dv] (fp32 or float64),
 //   topk [T1, N2, K] int64 block ids (-1 = none), and per query token its sequence's first key row, key count
 //   and its own in-sequence position. A gathered key p = idx * bs + r is visible iff idx != -1, p < S2 and, when
-//   causal, p <= pos: the rule of the reference (sparseops/nsa/reference.py).
+//   causal, p <= pos: the rule of the reference (sparseops/nsa/reference.py). The ids themselves are not
+//   validated (validate=False, torch.compile): an id outside [0, ceil(S2 / bs)) is an empty slot, tested before
+//   idx * bs is formed.
 //
 // Layout of the work (attention_tiles.h): the G query heads of a KV head fill the W lanes of a 64-byte vector (16
 // fp32 / 8 float64; more heads take several items, fewer leave lanes at 0); an item is a tile of consecutive query
@@ -31,12 +33,12 @@ namespace {
 using namespace sparseops_attn;
 using sparseops_simd::Tensor;
 
-// p[t, i] = (1 / N1) sum_h softmax_i(s[t, h, :]) over the slots i of indices[t] that are not -1 (0 at -1): the
-// attention's head-averaged distribution over a token's selected keys, the DSA indexer loss's target. One item
-// per token (all its KV heads), so each row of p is written by one task.
+// p[t, i] = (1 / N1) sum_h softmax_i(s[t, h, :]) over the slots i of indices[t] in [0, len[t]) (0 elsewhere, as at
+// -1): the attention's head-averaged distribution over a token's selected keys, the DSA indexer loss's target. One
+// item per token (all its KV heads), so each row of p is written by one task.
 template <typename T>
-void head_mean_impl(const T* q, const T* k, const int64_t* ids, const int64_t* start, int64_t T1, int64_t N1,
-                    int64_t N2, int64_t D, int64_t K, T floor, T qscale, T* p, int64_t P) {
+void head_mean_impl(const T* q, const T* k, const int64_t* ids, const int64_t* start, const int64_t* len, int64_t T1,
+                    int64_t N1, int64_t N2, int64_t D, int64_t K, T floor, T qscale, T* p, int64_t P) {
   typedef typename Vec<T>::type V;
   constexpr int W = Vec<T>::W;
   const int64_t G = N1 / N2, HB = (G + W - 1) / W, blocks = (T1 + 3) / 4;
@@ -47,7 +49,7 @@ void head_mean_impl(const T* q, const T* k, const int64_t* ids, const int64_t* s
       for (int64_t t = b * 4; t < std::min(T1, b * 4 + 4); ++t) {
         int64_t n = 0;
         for (int64_t i = 0; i < K; ++i)
-          if (ids[t * K + i] >= 0) {
+          if (live_block(ids[t * K + i], len[t])) {
             key[n] = start[t] + ids[t * K + i];
             slot[n++] = i;
           }
@@ -74,12 +76,13 @@ void head_mean_impl(const T* q, const T* k, const int64_t* ids, const int64_t* s
   });
 }
 
-void head_mean_probs(Tensor q, Tensor k, Tensor ids, Tensor start, double floor, double scale,
+void head_mean_probs(Tensor q, Tensor k, Tensor ids, Tensor start, Tensor len, double floor, double scale,
                      Tensor p, int64_t tasks) {
   sparseops_simd::by_dtype(q, [&](auto z) {
     using T = decltype(z);
-    head_mean_impl<T>(q.data_ptr<T>(), k.data_ptr<T>(), ids.data_ptr<int64_t>(), start.data_ptr<int64_t>(), q.size(0),
-                      q.size(1), k.size(1), q.size(2), ids.size(1), T(floor), T(scale), p.data_ptr<T>(), tasks);
+    head_mean_impl<T>(q.data_ptr<T>(), k.data_ptr<T>(), ids.data_ptr<int64_t>(), start.data_ptr<int64_t>(),
+                      len.data_ptr<int64_t>(), q.size(0), q.size(1), k.size(1), q.size(2), ids.size(1), T(floor),
+                      T(scale), p.data_ptr<T>(), tasks);
   });
 }
 

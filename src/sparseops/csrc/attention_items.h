@@ -25,6 +25,16 @@ template <typename T> struct Args {
   T qscale;  // the softmax scale, applied to q as it is loaded
 };
 
+// The key blocks of token t's sequence, ceil(S2 / bs): a block id outside [0, count) is an empty slot, as on the
+// torch and Triton paths.
+template <typename T> int64_t block_count(const Args<T>& a, int64_t t) { return (a.seq_len[t] + a.bs - 1) / a.bs; }
+
+// Whether block id idx lies in [0, count): one unsigned compare, made before idx * bs, which a huge id (2^60)
+// overflows into a row before k or dK.
+inline bool live_block(int64_t idx, int64_t count) {
+  return static_cast<uint64_t>(idx) < static_cast<uint64_t>(count);
+}
+
 // The flat key rows ([T2 * N2] rows) item (t, n2) sees, in slot order, and when `slots` is given each row's slot
 // (token granularity: one row per slot); returns their count.
 template <typename T>
@@ -37,11 +47,11 @@ int64_t visible_rows(const Args<T>& a, int64_t t, int64_t n2, int64_t* rows, int
   const int64_t* ids = a.topk + (t * a.N2 + n2) * a.K;
   int64_t lim = a.seq_len[t];
   if (a.causal) lim = std::min(lim, a.pos[t] + 1);
-  const int64_t base = a.kv_start[t];
+  const int64_t base = a.kv_start[t], blocks = block_count(a, t);
   int64_t n = 0;
   for (int64_t i = 0; i < a.K; ++i) {
     const int64_t idx = ids[i];
-    if (idx < 0) continue;
+    if (!live_block(idx, blocks)) continue;
     const int64_t p0 = idx * a.bs, p1 = std::min(p0 + a.bs, lim);
     for (int64_t p = p0; p < p1; ++p) {
       if (slots != nullptr) slots[n] = i;

@@ -90,9 +90,9 @@ template <typename T> void plan_blocks(const Args<T>& a, int64_t t0, int64_t t1,
       continue;
     }
     const int64_t* ids = a.topk + (t * a.N2 + n2) * a.K;
-    const int64_t lim = a.causal ? std::min(a.seq_len[t], a.pos[t] + 1) : a.seq_len[t];
+    const int64_t lim = a.causal ? std::min(a.seq_len[t], a.pos[t] + 1) : a.seq_len[t], blocks = block_count(a, t);
     for (int64_t i = 0; i < a.K; ++i)
-      if (ids[i] >= 0) add(t - t0, a.kv_start[t], ids[i] * a.bs, std::min(ids[i] * a.bs + a.bs, lim));
+      if (live_block(ids[i], blocks)) add(t - t0, a.kv_start[t], ids[i] * a.bs, std::min(ids[i] * a.bs + a.bs, lim));
   }
   std::sort(vs.begin(), vs.end(), [](const Visit& x, const Visit& y) {
     return x.row0 != y.row0 ? x.row0 < y.row0 : x.n != y.n ? x.n < y.n : x.tok < y.tok;

@@ -7,7 +7,8 @@
 //   dq[t, h] += [q[t, h] . k_i > 0] * w[t, h] * g[t, i] * k_i
 //   dk_i     += [q[t, h] . k_i > 0] * w[t, h] * g[t, i] * q[t, h]
 // One item per token (its dq, dw rows are its own); dk goes into one buffer per task, added in task order by
-// the caller: bitwise repeatable for a given thread count. Arguments arrive validated and contiguous.
+// the caller: bitwise repeatable for a given thread count. Arguments arrive validated and contiguous; the
+// backward's ids are select's own output (in [0, S) or -1), never a caller's, so they index k unchecked.
 #include "cpu.h"
 
 #include <algorithm>

@@ -81,13 +81,14 @@ def backward(q, k, v, out, dout, m, l, topk, scale, bs, cu_q, cu_kv, causal, det
 
 def head_mean_probs(q, k, indices, scale, cu):
     """``p [T, topk]`` (fp32, float64 for float64): the head-averaged softmax of ``scale * q . k`` over each token's
-    selected keys ``indices [T, topk]`` (in-sequence positions, -1 unused: 0 there), the DSA indexer loss's target
+    selected keys ``indices [T, topk]`` (in-sequence positions, -1 unused: 0 there, as at any entry outside
+    ``[0, S)``, unchecked under torch.compile), the DSA indexer loss's target
     (:mod:`sparseops.dsa.loss`); ``k [T, N2, D]`` by KV head."""
     acc = acc_dtype(q)
     T = q.shape[0]
     p = torch.zeros(T, indices.shape[1], dtype=acc)
     if T > 0:
-        start, _, _ = token_key_rows(cu, cu)
-        _module().head_mean_probs(_flat(q, acc), _flat(k, acc), indices.to(torch.int64).contiguous(), start,
+        start, lens, _ = token_key_rows(cu, cu)
+        _module().head_mean_probs(_flat(q, acc), _flat(k, acc), indices.to(torch.int64).contiguous(), start, lens,
                                   exp_floor(acc), float(scale), p, torch.get_num_threads())
     return p
