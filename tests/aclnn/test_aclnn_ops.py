@@ -269,6 +269,22 @@ def test_determinism_switch():
         sparseops.set_deterministic(before)
 
 
+def test_context_option_success_clears_the_error_text():
+    """A successful Get or Set after a failed one leaves aclGetRecentErrMsg() None (docs/aclnn.md)."""
+    before = sparseops.is_deterministic()
+    try:
+        for ok in (lambda: aclnn.aclrtCtxGetSysParamOpt(ACL_OPT_DETERMINISTIC)[0],
+                   lambda: aclnn.aclrtCtxSetSysParamOpt(ACL_OPT_DETERMINISTIC, int(before))):
+            assert aclnn.aclrtCtxSetSysParamOpt(99, 1) == aclnn.ACL_ERROR_INVALID_PARAM
+            assert "opt" in aclGetRecentErrMsg()
+            assert ok() == 0
+            assert aclGetRecentErrMsg() is None
+        assert aclnn.aclrtCtxGetSysParamOpt(99) == (aclnn.ACL_ERROR_INVALID_PARAM, 0)
+        assert aclGetRecentErrMsg().startswith("aclrtCtxGetSysParamOpt: opt")
+    finally:
+        sparseops.set_deterministic(before)
+
+
 # every status code from a real bad call; the message names the parameter; nothing is written
 
 

@@ -283,6 +283,7 @@ def aclrtCtxSetSysParamOpt(opt, value) -> int:  # noqa: N802
 
 def aclrtCtxGetSysParamOpt(opt) -> tuple[int, int]:  # noqa: N802
     """``(status, value)`` of a switch set by :func:`aclrtCtxSetSysParamOpt`."""
+    _tls.msg = None  # a success clears the last failure's text, as every call of this module does
     if isinstance(opt, bool) or opt != ACL_OPT_DETERMINISTIC:
         _tls.msg = f"aclrtCtxGetSysParamOpt: opt: only ACL_OPT_DETERMINISTIC ({ACL_OPT_DETERMINISTIC}) is supported, got {opt!r}"
         return ACL_ERROR_INVALID_PARAM, 0
