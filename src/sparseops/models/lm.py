@@ -16,9 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import _checks
 from ..nn import DeepSeekSparseAttention, MoELayer, NativeSparseAttention, SharedExpert
 
 ATTENTIONS = ("nsa", "dsa")
+#: LMConfig's sizes that must be >= 1 (dense_layers: in [0, num_layers])
+POSITIVE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_size",
+                   "num_experts", "top_k", "expert_ffn_size", "compress_block_size", "compress_stride",
+                   "select_block_size", "select_count", "window_size", "dsa_topk", "index_heads", "index_head_dim")
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,54 @@ class LMConfig:
         return dataclasses.replace(self, **changes)
 
 
+def _int_field(name: str, v, lo: int, hi: int | None = None, hi_name: str = "") -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name}: expected an int, got {type(v).__name__} ({v!r})")
+    if v < lo or (hi is not None and v > hi):
+        want = f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi_name} = {hi}]"
+        raise ValueError(f"{name}: expected {want}, got {v}")
+    return v
+
+
+def check_config(cfg: LMConfig) -> None:
+    """Every field of ``cfg`` alone, before any layer is built: a ``ValueError`` / ``TypeError`` whose message starts
+    with the field's name and a colon (``num_layers: expected an int >= 1, got 0``; ``sparseops train`` maps that
+    name to its flag). Constraints between fields that a layer states (``num_heads`` a multiple of ``num_kv_heads``,
+    the NSA block sizes) are left to the layer, whose message names the same field (:class:`Block`)."""
+    if not isinstance(cfg, LMConfig):
+        raise TypeError(f"cfg: expected an LMConfig, got {type(cfg).__name__}")
+    for name in POSITIVE_FIELDS:
+        _int_field(name, getattr(cfg, name), 1)
+    _int_field("dense_layers", cfg.dense_layers, 0, cfg.num_layers, "num_layers")
+    for name in ("aux_loss_coeff", "indexer_loss_coeff"):
+        if _checks.check_float(name, getattr(cfg, name)) < 0:
+            raise ValueError(f"{name}: expected a float >= 0, got {getattr(cfg, name)}")
+    _checks.check_bool("window_only", cfg.window_only)
+    if cfg.attention not in ATTENTIONS:
+        raise ValueError(f"attention: expected one of {ATTENTIONS}, got {cfg.attention!r}")
+
+
+def _as_field(fields: dict[str, str], build, *args, **kwargs):
+    """``build(*args, **kwargs)``, a layer whose error names one of its own arguments where that argument is an
+    LMConfig field of another name (``fields``: argument -> field): the message is given the field's name."""
+    try:
+        return build(*args, **kwargs)
+    except (TypeError, ValueError) as exc:
+        name, colon, rest = str(exc).partition(":")
+        if colon and name in fields:
+            raise type(exc)(f"{fields[name]}:{rest}") from exc
+        raise
+
+
+class TokenEmbedding(nn.Embedding):
+    """``nn.Embedding`` with its weight drawn from N(0, 1/embedding_dim), in ``reset_parameters`` too, so that
+    resetting every module after a meta-device build gives the built model's initialisation."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()  # nn.Embedding's N(0, 1) draw, kept: a seeded model's values stay the same
+        nn.init.normal_(self.weight, std=self.embedding_dim ** -0.5)
+
+
 class Block(nn.Module):
     """``h + attn(norm(h))``, then ``h + ffn(norm(h))``; returns the new ``h`` and the FFN's aux loss."""
 
@@ -67,11 +120,10 @@ class Block(nn.Module):
         super().__init__()
         kw = {"device": device, "dtype": dtype}
         self.attn_norm = nn.RMSNorm(cfg.hidden_size, **kw)
-        if cfg.attention not in ATTENTIONS:
-            raise ValueError(f"cfg.attention: expected one of {ATTENTIONS}, got {cfg.attention!r}")
         self.indexer_loss_coeff = cfg.indexer_loss_coeff if cfg.attention == "dsa" else None
         if cfg.attention == "dsa":
-            self.attn = DeepSeekSparseAttention(
+            self.attn = _as_field(
+                {"topk": "dsa_topk"}, DeepSeekSparseAttention,
                 cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, topk=cfg.dsa_topk,
                 index_heads=cfg.index_heads, index_head_dim=cfg.index_head_dim, rope_theta=cfg.rope_theta, **kw)
         else:
@@ -83,9 +135,10 @@ class Block(nn.Module):
                 branches=("win",) if cfg.window_only else ("cmp", "slc", "win"), **kw)
         self.ffn_norm = nn.RMSNorm(cfg.hidden_size, **kw)
         if moe:
-            self.ffn = MoELayer(cfg.hidden_size, cfg.expert_ffn_size, cfg.num_experts, cfg.top_k,
-                                ep_group=ep_group, replicated_tokens=replicated_tokens, dispatcher=dispatcher,
-                                aux_loss_coeff=cfg.aux_loss_coeff, **kw)
+            self.ffn = _as_field({"ffn_size": "expert_ffn_size"}, MoELayer,
+                                 cfg.hidden_size, cfg.expert_ffn_size, cfg.num_experts, cfg.top_k,
+                                 ep_group=ep_group, replicated_tokens=replicated_tokens, dispatcher=dispatcher,
+                                 aux_loss_coeff=cfg.aux_loss_coeff, **kw)
         else:
             self.ffn = SharedExpert(cfg.hidden_size, cfg.ffn_size, **kw)
 
@@ -137,9 +190,9 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: LMConfig, ep_group=None, replicated_tokens: bool = False, dispatcher: str = "alltoall",
                  device=None, dtype=None):
         super().__init__()
+        check_config(cfg)
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
-        nn.init.normal_(self.embed.weight, std=cfg.hidden_size ** -0.5)
+        self.embed = TokenEmbedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
         self.blocks = nn.ModuleList(
             Block(cfg, i >= cfg.dense_layers, ep_group, replicated_tokens, dispatcher, device, dtype)
             for i in range(cfg.num_layers))
@@ -149,12 +202,13 @@ class CausalLM(nn.Module):
         """Logits and the summed aux loss of the MoE layers.
 
         Args:
-            tokens: ``[T]`` int64, the packed sequences.
+            tokens: ``[T]`` int64 (int32 accepted) ids in ``[0, vocab_size)``, the packed sequences.
             cu_seqlens: ``[B+1]`` int32 cumulative lengths with the leading 0 (None: one sequence).
 
         Returns:
             ``logits [T, vocab_size]`` in the parameters' dtype, ``aux_loss`` a 0-dim tensor.
         """
+        self._check_tokens(tokens)
         h = self.embed(tokens)
         aux = h.new_zeros(())
         for block in self.blocks:
@@ -162,6 +216,21 @@ class CausalLM(nn.Module):
             if block_aux is not None:
                 aux = aux + block_aux.to(h.dtype)
         return F.linear(self.norm(h), self.embed.weight), aux
+
+    def _check_tokens(self, tokens) -> None:
+        """Rank and dtype, then the ids' range by one min / max (skipped where the library's data checks are:
+        under torch.compile and on meta tensors)."""
+        if isinstance(tokens, torch.Tensor) and tokens.dim() != 1:
+            raise ValueError(f"tokens: expected a 1-D tensor of ids [T] (sequences packed, with cu_seqlens), got "
+                             f"{tokens.dim()}-D with shape {_checks.fmt_shape(tokens.shape)}")
+        _checks.check_tensor("tokens", tokens, dtypes=_checks.INDEX_DTYPES)
+        if tokens.numel() and _checks.data_checks(True, tokens):
+            lo, hi = (int(v) for v in torch.aminmax(tokens))
+            V = self.cfg.vocab_size
+            if lo < 0 or hi >= V:
+                bad = lo if lo < 0 else hi
+                at = int(torch.nonzero(tokens == bad)[0])
+                raise ValueError(f"tokens: expected ids in [0, vocab_size = {V}), got {bad} at [{at}]")
 
 
 def expert_parameter(name: str) -> bool:

@@ -25,6 +25,11 @@ class BlockCompressor(nn.Module):
         self.pos_emb = nn.Parameter(torch.zeros(block_size, dim, **kw))
         self.fc1 = nn.Linear(block_size * dim, dim, **kw)
         self.fc2 = nn.Linear(dim, dim, **kw)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Draw ``pos_emb`` from N(0, 0.02^2); ``fc1`` and ``fc2`` reset themselves (nn.Linear), so that
+        ``reset_parameters()`` on every module after ``to_empty`` initialises each parameter once."""
         nn.init.normal_(self.pos_emb, std=0.02)
 
     def forward(self, blocks: torch.Tensor) -> torch.Tensor:

@@ -109,7 +109,12 @@ class TopKRouter(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        """Draw ``weight`` from N(0, 1/hidden_size) and zero ``expert_bias`` (a persistent buffer: the fresh
+        router's state, as BatchNorm's reset_parameters resets its running stats), e.g. after ``to_empty``."""
         nn.init.normal_(self.weight, std=self.hidden_size ** -0.5)
+        if self.expert_bias is not None:
+            with torch.no_grad():
+                self.expert_bias.zero_()
 
     def reset_buffers(self) -> None:
         """Re-initialise the non-persistent buffer (the routed-slot counts: zeros), e.g. after ``to_empty``."""
