@@ -105,3 +105,19 @@ def test_bad_input(edit, exc, msg):
     edit(a)
     with pytest.raises(exc, match=msg):
         indexer_kl_loss(**a)
+
+
+def test_the_torch_target_takes_out_of_range_positions_as_empty(monkeypatch):
+    """The torch path's target (the C++ kernels off): a position outside [0, S) of its sequence, which reaches it
+    unchecked under torch.compile, gives 0 as -1 does (it indexed past k: an error eager, an abort compiled)."""
+    from sparseops.nsa import cpu_gather
+
+    monkeypatch.setattr(cpu_gather, "available", lambda *a: False)
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(20, 4, 8, generator=g), torch.randn(20, 2, 8, generator=g)
+    cu = [0, 12, 20]
+    idx = torch.randint(0, 8, (20, 5), generator=g)
+    idx[:, 1] = torch.tensor([2**62, 12, 10**6, 20, 8])[torch.arange(20) % 5]
+    lens = torch.tensor([12] * 12 + [8] * 8)[:, None]
+    want = loss._target(q, k, torch.where((idx < 0) | (idx >= lens), -1, idx), 0.3, cu)
+    assert torch.equal(loss._target(q, k, idx, 0.3, cu), want)

@@ -59,6 +59,7 @@ def _target(q, k, indices, scale, cu):
     seq = torch.repeat_interleave(torch.arange(len(cu) - 1, device=dev), torch.tensor(cu, device=dev).diff(),
                                   output_size=T)
     start = torch.tensor(cu[:-1], dtype=torch.int64, device=dev)[seq]
+    length = torch.tensor(cu, dtype=torch.int64, device=dev).diff()[seq]
     p = torch.zeros(T, topk, dtype=acc, device=dev)
     elt = torch.finfo(acc).bits // 8
     budget = CHUNK_BYTES if dev.type == "cpu" else DEVICE_CHUNK_BYTES
@@ -73,7 +74,9 @@ def _target(q, k, indices, scale, cu):
         t1 = min(T, t0 + C)
         c = t1 - t0
         idx = indices[t0:t1].to(torch.int64)
-        live = idx >= 0
+        # a position outside [0, S) of the token's sequence is an empty slot, as -1 (unchecked under
+        # torch.compile: an index past k would abort there)
+        live = (idx >= 0) & (idx < length[t0:t1, None])
         rows = torch.where(live, idx + start[t0:t1, None], 0)  # [c, topk]
         kg = torch.index_select(kf, 0, (rows[:, None, :] * N2 + heads).view(-1),
                                 out=kbuf[:c * N2 * topk * D].view(-1, D)).view(c * N2, topk, D)
