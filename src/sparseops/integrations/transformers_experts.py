@@ -170,8 +170,13 @@ def experts_rows(module, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
 
 
 def _counts(top_k_index: torch.Tensor, E: int) -> list[int]:
-    """Slots per expert ``[E]``; ids ``>= E`` (EP sentinels) are not counted. The one host sync."""
-    return torch.bincount(top_k_index.reshape(-1).clamp(max=E), minlength=E + 1)[:E].tolist()
+    """Slots per expert ``[E]``; ids ``>= E`` (EP sentinels) are not counted. The one host sync, which also
+    counts the negative ids: a ``ValueError`` naming ``top_k_index`` (bincount's own error said nothing of it)."""
+    counts = torch.bincount(top_k_index.reshape(-1).clamp(-1, E) + 1, minlength=E + 2).tolist()
+    if counts[0]:
+        raise ValueError(f"top_k_index: expected expert ids >= 0, got {counts[0]} negative "
+                         f"(min {int(top_k_index.min())})")
+    return counts[1:E + 1]
 
 
 def sparseops_experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
