@@ -154,6 +154,7 @@ def test_config_argv_spells_out_every_setting():
     pytest.param(1, ["--device", "cuda"], "--device: expected a machine where torch sees CUDA for 'cuda', got none",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")),
     (2, ["--replicated-tokens", "--ep", "1", "--dp-shard", "2"], "--replicated-tokens: expected no --dp-replicate"),
+    (2, ["--replicated-tokens", "--ep", "1"], "--ep: expected the world size 2 .* with --replicated-tokens, got 1"),
     (1, ["--clip", "-1"], "--clip: expected a number > 0 .and finite., got -1.0"),
     (1, ["--weight-decay", "-0.1"], "--weight-decay: expected a number >= 0 .and finite., got -0.1"),
     (4, ["--top-k", "5"], "--top-k: expected at most num_experts = 4, got 5"),
@@ -162,7 +163,7 @@ def test_config_argv_spells_out_every_setting():
 ], ids=["world-mismatch", "replicate-not-dividing", "ep-not-dividing-shard", "ep-not-dividing-experts",
         "batch-not-dividing", "resume-nothing", "save-every-alone", "no-steps", "timeout-under-a-ms", "timeout-overflowing", "task", "no-file", "data-a-device",
         "recall-flags-with-data", "no-cuda",
-        "replicated-with-dp", "negative-clip", "negative-decay", "model", "seed-past-torch",
+        "replicated-with-dp", "replicated-ep-1", "negative-clip", "negative-decay", "model", "seed-past-torch",
         "autocast-float64"])
 def test_bad_flags_exit_2_before_any_collective(tmp_path, monkeypatch, capsys, world, extra, match):
     """torchrun's environment without a rendezvous behind it: a check after init_process_group would hang or fail

@@ -96,7 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("layout (torchrun's world: dp_replicate * dp_shard ranks)")
     g.add_argument("--dp-replicate", type=int, default=1, metavar="N", help="replicas (HSDP with --dp-shard)")
     g.add_argument("--dp-shard", type=int, default=-1, metavar="N", help="FSDP ranks per replica (-1: the rest)")
-    g.add_argument("--ep", type=int, default=1, metavar="N", help="expert-parallel ranks (divides --dp-shard and E)")
+    g.add_argument("--ep", type=int, default=None, metavar="N",
+                   help="expert-parallel ranks (divides --dp-shard and E; default 1, the world size with "
+                        "--replicated-tokens)")
     g.add_argument("--ddp", action="store_true", help="replicate the dense parameters (DDP) instead of FSDP")
     g.add_argument("--replicated-tokens", action="store_true",
                    help="expert parallelism without data parallelism: every rank runs the whole batch, the MoE "
@@ -125,7 +127,7 @@ def _check_int(args, name: str, lo: int) -> None:
         raise _Bad(f"--{name.replace('_', '-')}: expected an int >= {lo}, got {v}")
 
 
-def resolve_layout(world: int, dp_replicate: int, dp_shard: int, ep: int, num_experts: int, global_batch: int,
+def resolve_layout(world: int, dp_replicate: int, dp_shard: int, ep: int | None, num_experts: int, global_batch: int,
                    data_parallel: str, dispatcher: str = "alltoall"):
     """The :class:`sparseops.training.loop.Layout` of the flags at this world size, or ``_Bad`` naming the flag."""
     from ..training.loop import Layout
@@ -134,7 +136,8 @@ def resolve_layout(world: int, dp_replicate: int, dp_shard: int, ep: int, num_ex
         if (dp_replicate, dp_shard) != (1, -1):
             raise _Bad(f"--replicated-tokens: expected no --dp-replicate / --dp-shard (no data parallelism), got "
                        f"{dp_replicate} / {dp_shard}")
-        if ep not in (1, world) or num_experts % world:
+        ep = world if ep is None else ep
+        if ep != world or num_experts % world:
             raise _Bad(f"--ep: expected the world size {world} (a divisor of --num-experts = {num_experts}) with "
                        f"--replicated-tokens, got {ep}")
         return Layout(1, 1, world, "none", dispatcher)
@@ -146,6 +149,7 @@ def resolve_layout(world: int, dp_replicate: int, dp_shard: int, ep: int, num_ex
         dp_shard = world // dp_replicate
     if dp_shard < 1:
         raise _Bad(f"--dp-shard: expected -1 or an int >= 1, got {dp_shard}")
+    ep = 1 if ep is None else ep
     if dp_replicate * dp_shard != world:
         raise _Bad(f"--dp-shard: expected --dp-replicate * --dp-shard = the world size {world} (torchrun's ranks), "
                    f"got {dp_replicate} * {dp_shard} = {dp_replicate * dp_shard}")
