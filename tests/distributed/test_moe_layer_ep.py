@@ -169,6 +169,13 @@ def _worker(rank, ws, cases):
         res["disagree"] = None
     except ValueError as exc:
         res["disagree"] = str(exc)
+    # ranks that disagree on the dtype: a ValueError too (the exchange of rows of another size aborted gloo)
+    dt = torch.float64 if rank == 0 else torch.float32
+    try:
+        MoELayer(H, F, 2 * ws, 2, ep_group=group, dtype=dt)(torch.randn(2, H, dtype=dt))
+        res["dtype-disagree"] = None
+    except ValueError as exc:
+        res["dtype-disagree"] = str(exc)
     return res
 
 
@@ -276,6 +283,7 @@ def test_ep_layer_matches_oracle(ws):
     for r in res:
         assert "ep_group: expected a group size that divides num_experts" in (r["indivisible"] or "")
         assert r["disagree"] is not None and "num_experts: expected the same value on every rank" in r["disagree"]
+        assert "dtype: expected the same value on every rank of ep_group, got torch.float" in (r["dtype-disagree"] or "")
     assert not failures, "\n".join(failures)
 
 

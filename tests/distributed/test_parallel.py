@@ -246,6 +246,15 @@ def _faults() -> dict:
         out["ddp_twice"] = "no error"
     except ValueError as e:
         out["ddp_twice"] = str(e)
+    # a model the user already wrapped or sharded: parallelize would swap the experts under DDP's hooks (a
+    # RuntimeError at the second step) or feed DTensors to DTensor.from_local
+    for name, wrap in (("wrapped_ddp", nn.parallel.DistributedDataParallel),
+                       ("wrapped_fsdp", lambda m: fully_shard(m, mesh=init_device_mesh("cpu", (dist.get_world_size(),))))):
+        try:
+            parallelize(wrap(_model()), ParallelDims(ep=2), data_parallel="ddp")
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = str(e)
     # the crash: fully_shard of the router alone, then the layer
     layer, plain = _Layer(), _Layer()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -366,6 +375,9 @@ def test_w2_raw_ep_group_and_faults(w2):
         assert "dp_replicate * dp_shard" in f["world"] and "ep" in f["ep_E"]
         assert "data_parallel" in f["data_parallel"] and "parallelize already ran" in f["twice"]
         assert "parallelize" in f["ddp_twice"]
+        assert "model: expected the plain model (parallelize applies FSDP2 / DDP itself), got one wrapped in " \
+               "DistributedDataParallel" in f["wrapped_ddp"]
+        assert "already sharded by fully_shard" in f["wrapped_fsdp"], f["wrapped_fsdp"]
         assert f["router_fsdp"] is True
     assert w2[0]["raw"]["moment_shape"] == [E, 6, H]
 

@@ -197,6 +197,9 @@ def _check(model: nn.Module, dims: ParallelDims, data_parallel: str) -> tuple[Pa
     if getattr(model, _MARK, None) is not None:
         raise ValueError("model: expected a model not parallelized yet, got one parallelize already ran on "
                          f"({getattr(model, _MARK)})")
+    wrapped = _wrapped_by(model)
+    if wrapped is not None:
+        raise ValueError(f"model: expected the plain model (parallelize applies FSDP2 / DDP itself), got one {wrapped}")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("parallelize: expected an initialized torch.distributed process group "
                            "(run under torchrun, or call init_process_group first)")
@@ -217,6 +220,24 @@ def _check(model: nn.Module, dims: ParallelDims, data_parallel: str) -> tuple[Pa
                 raise ValueError(f"model: expected every experts parameter of shape [E={layer.num_experts}, ...] "
                                  f"(dim 0 the expert), got {name} of shape {list(p.shape)}")
     return dims, layers
+
+
+def _wrapped_by(model: nn.Module) -> str | None:
+    """What already wraps or shards ``model`` (DDP, FSDP2's ``fully_shard``, DTensor parameters), or None."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from .expert_parallel import is_dtensor
+
+    for name, m in model.named_modules():
+        where = f" at {name!r}" if name else ""
+        if isinstance(m, DistributedDataParallel):
+            return f"wrapped in DistributedDataParallel{where}"
+        if type(m).__name__.startswith("FSDP") or hasattr(m, "_get_fsdp_state"):  # fully_shard's class swap
+            return f"already sharded by fully_shard{where}"
+    for name, p in model.named_parameters():
+        if is_dtensor(p):
+            return f"with DTensor parameters ({name!r})"
+    return None
 
 
 def _shard_experts(layer: ExpertParallelModule, dims: ParallelDims, device_type: str) -> None:

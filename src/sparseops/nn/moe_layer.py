@@ -151,16 +151,21 @@ class MoELayer(ExpertParallelModule):
     def _check_group(self, device) -> None:
         """One small all-gather at the first forward: ranks that disagree on the layer's shape fail together."""
         act = ACTIVATIONS.index(self.experts.activation)
+        dtype = self.experts.w1.dtype  # the rows sent between ranks: another dtype would abort gloo, not raise
+        codes = {"dispatcher": DISPATCHERS, "activation": ACTIVATIONS, "dtype": DTYPES}
         mine = [self.num_experts, self.top_k, self.hidden_size, self.ffn_size, DISPATCHERS.index(self.dispatcher),
-                act, -1 if self.shared is None else self.shared.w1.shape[0], int(self.replicated_tokens)]
+                act, -1 if self.shared is None else self.shared.w1.shape[0], int(self.replicated_tokens),
+                DTYPES.index(dtype) if dtype in DTYPES else -1]
         names = ("num_experts", "top_k", "hidden_size", "ffn_size", "dispatcher", "activation", "shared_ffn_size",
-                 "replicated_tokens")
+                 "replicated_tokens", "dtype")
         t = torch.tensor(mine, dtype=torch.int64, device=device)
         rows = [torch.empty_like(t) for _ in range(self.ep_size)]
         dist.all_gather(rows, t, group=self.ep_group)
         for q, row in enumerate(rows):
             for name, a, b in zip(names, mine, row.tolist()):
                 if a != b:
+                    if name in codes:
+                        a, b = (codes[name][i] if i >= 0 else "another" for i in (a, b))
                     raise ValueError(f"{name}: expected the same value on every rank of ep_group, got {a} on rank "
                                      f"{self.ep_rank} and {b} on rank {q}")
         self._group_checked = True
