@@ -77,6 +77,14 @@ def _one(rank, ws, sizes):
         all_gather(torch.ones(sizes[rank] + 1, 3), None, sizes)
     except ValueError as exc:
         out["bad"] = str(exc)
+    # ranks whose dtype or trailing dims differ: every rank raises from the exchange of sizes (gloo aborted)
+    for name, x in (("bad-dtype", torch.ones(sizes[rank], 3, dtype=torch.float64 if rank else torch.float32)),
+                    ("bad-trailing", torch.ones(sizes[rank], 3 + (rank == 1)))):
+        try:
+            all_gather(x, None)
+            out[name] = "no error"
+        except ValueError as exc:
+            out[name] = str(exc)
     dist.barrier()
     return out
 
@@ -119,6 +127,8 @@ def _check(res, sizes):
                 grad[start_r + j] = 2 * (got_q + j + 1)
         assert torch.equal(out["a2a.grad"], grad), r
         assert "sizes: expected sizes" in out["bad"]
+        assert "x: expected the same dtype and trailing dims on every rank of the group" in out["bad-dtype"]
+        assert "x: expected the same dtype and trailing dims on every rank of the group" in out["bad-trailing"]
         lo = sum(sizes[:r])
         for dt in (torch.float32, torch.float64, torch.bfloat16):
             x = _rows(sum(sizes), 0, dt)

@@ -20,6 +20,8 @@ docs/moe-layer.md.
 
 from __future__ import annotations
 
+import math
+import zlib
 from collections.abc import Sequence
 from typing import Optional
 
@@ -84,12 +86,30 @@ def _reduce_scatter(x: torch.Tensor, sizes: list[int], group: Group) -> torch.Te
     return acc.to(x.dtype)
 
 
-def _exchange_sizes(n: int, group: Group, device) -> list[int]:
-    ws, _ = group_size_rank(group)
-    mine = torch.tensor([n], dtype=torch.int64, device=device)
+def _exchange_sizes(n: int, group: Group, device, x: torch.Tensor | None = None) -> list[int]:
+    """Every rank's row count, by one small all-gather; with ``x``, the same exchange carries its dtype and
+    trailing shape, and ranks that disagree raise together (a ``ValueError`` naming ``x``): gloo aborted the
+    process on rows of another size."""
+    ws, rank = group_size_rank(group)
+    sig = [] if x is None else _signature(x)
+    mine = torch.tensor([n, *sig], dtype=torch.int64, device=device)
     out = [torch.empty_like(mine) for _ in range(ws)]
     dist.all_gather(out, mine, group=group)
-    return [int(t.item()) for t in out]
+    rows = [t.tolist() for t in out]
+    for q, row in enumerate(rows):
+        if row[1:] != sig:
+            raise ValueError(f"x: expected the same dtype and trailing dims on every rank of the group, got "
+                             f"{x.dtype} {list(x.shape[1:])} on rank {rank} and another on rank {q}")
+    return [row[0] for row in rows]
+
+
+def _signature(x: torch.Tensor) -> list[int]:
+    """``[crc32 of the dtype's name, ndim, trailing dims...]``, the trailing dims padded (or folded) to 8: equal
+    across ranks when the dtype and the trailing shape agree."""
+    tail = list(x.shape[1:])
+    if len(tail) > 8:  # the rest folded into their product
+        tail = tail[:7] + [math.prod(tail[7:])]
+    return [zlib.crc32(str(x.dtype).encode()), x.dim(), *tail, *([-1] * (8 - len(tail)))]
 
 
 def _own_rows(x: torch.Tensor, sizes: list[int], group: Group) -> torch.Tensor:
@@ -133,7 +153,7 @@ class _AllToAll(torch.autograd.Function):
 def _gathered_sizes(x: torch.Tensor, group: Group, sizes) -> list[int]:
     """The row counts of a gather: checked, or exchanged when None; this rank's must be x's."""
     ws, rank = group_size_rank(group)
-    sizes = _exchange_sizes(x.shape[0], group, x.device) if sizes is None else _check_sizes("sizes", sizes, ws)
+    sizes = _exchange_sizes(x.shape[0], group, x.device, x) if sizes is None else _check_sizes("sizes", sizes, ws)
     if sizes[rank] != x.shape[0]:
         raise ValueError(f"sizes: expected sizes[{rank}] = x.shape[0] = {x.shape[0]} on rank {rank}, got {sizes[rank]}")
     return sizes
@@ -151,10 +171,11 @@ def all_gather(x: torch.Tensor, group: Group = None, sizes: Sequence[int] | None
     """Concatenate every rank's rows (dim 0) in rank order; differentiable.
 
     Args:
-        x: `[n_r, ...]` this rank's rows, any dtype; the trailing dims must agree over the group.
+        x: `[n_r, ...]` this rank's rows, any dtype; the dtype and trailing dims must agree over the group.
         group: the process group (None: the default group).
-        sizes: ``[n_0, ..., n_{ws-1}]`` every rank's row count (the same list on every rank); None exchanges
-            them with one small all-gather (a host sync).
+        sizes: ``[n_0, ..., n_{ws-1}]`` every rank's row count (the same list on every rank: the caller's
+            contract, unchecked); None exchanges them with one small all-gather (a host sync), which also
+            checks the dtype and trailing dims: ranks that disagree raise ``ValueError`` together.
 
     Returns:
         `[sum(sizes), ...]` in x's dtype: ``out[sum(sizes[:r]) + i] = x_r[i]``. Backward: the gradient's rows
