@@ -123,12 +123,15 @@ def test_weights_names_and_checkpoints_stay_transformers(tmp_path):
     assert all(e.config._experts_implementation == "sparseops" for e in _experts_modules(back))
 
 
-def test_negative_expert_ids_name_top_k_index():
-    model = tiny_model("mixtral")
-    ex = _experts_modules(model)[0]
+def _mixtral_call():
+    """A tiny Mixtral's first experts module on the sparseops path and a call's ``(x, top_k_index, weights)``."""
+    ex = _experts_modules(tiny_model("mixtral"))[0]
     ex.config._experts_implementation = "sparseops"
-    x = torch.randn(5, 32, dtype=torch.float64)
-    idx, w = routing(5, ex.num_experts, 2)
+    return ex, torch.randn(5, 32, dtype=torch.float64), *routing(5, ex.num_experts, 2)
+
+
+def test_negative_expert_ids_name_top_k_index():
+    ex, x, idx, w = _mixtral_call()
     idx[3, 1] = -2
     with pytest.raises(ValueError, match=r"top_k_index: expected expert ids >= 0, got 1 negative \(min -2\)"):
         ex(x, idx, w)
@@ -137,11 +140,7 @@ def test_negative_expert_ids_name_top_k_index():
 def test_an_unsupported_call_falls_back_to_eager_with_one_warning():
     from sparseops.integrations import transformers_experts
 
-    model = tiny_model("mixtral")
-    ex = _experts_modules(model)[0]
-    ex.config._experts_implementation = "sparseops"
-    x = torch.randn(5, 32, dtype=torch.float64)
-    idx, w = routing(5, ex.num_experts, 2)
+    ex, x, idx, w = _mixtral_call()
     ref = eager_forward(ex)(x, idx, w)
     transformers_experts._WARNED.clear()
     w3 = w.unsqueeze(0)  # a shape this path does not take: [1, T, K]
