@@ -266,15 +266,10 @@ def build_spec(args: argparse.Namespace, world: int):
 
 
 def _read_values(path: str, keys: list[str]) -> dict:
-    """``training.checkpoint.read_values`` of the ``--resume`` checkpoint, after ``read_metadata``'s checks (a
-    ``.metadata`` that reads, shards that hold its bytes): a damaged checkpoint is ``_Bad`` naming the file."""
-    from ..distributed.checkpoint import read_metadata
+    """``training.checkpoint.read_values`` of the ``--resume`` checkpoint (its files checked by
+    :func:`_take_settings` first): entries that do not read are ``_Bad``."""
     from ..training import checkpoint
 
-    try:
-        read_metadata(path)
-    except ValueError as exc:
-        raise _Bad(f"--resume: {str(exc).removeprefix('checkpoint_id: ')}") from None
     try:
         return checkpoint.read_values(path, keys)
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
@@ -285,7 +280,15 @@ def _read_values(path: str, keys: list[str]) -> dict:
 
 
 def _take_settings(args: argparse.Namespace, path: str) -> None:
-    """The flags left out take the checkpoint's recorded values; one given with another value is refused."""
+    """The flags left out take the checkpoint's recorded values; one given with another value is refused. The
+    first look at the checkpoint: ``read_metadata``'s checks (a ``.metadata`` that reads, shards that hold its
+    bytes) make a damaged one ``_Bad`` naming the file."""
+    from ..distributed.checkpoint import read_metadata
+
+    try:
+        read_metadata(path)
+    except ValueError as exc:
+        raise _Bad(f"--resume: {str(exc).removeprefix('checkpoint_id: ')}") from None
     flags = _resume.recorded_flags(_MODEL_INT + _MODEL_FLOAT, _RECALL)
     if args.data is not None:  # a token file: the recall task's settings are not this run's (its kind is checked)
         flags = {f: d for f, d in flags.items() if not f.startswith("recall-")}

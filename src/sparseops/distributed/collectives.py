@@ -86,13 +86,13 @@ def _reduce_scatter(x: torch.Tensor, sizes: list[int], group: Group) -> torch.Te
     return acc.to(x.dtype)
 
 
-def _exchange_sizes(n: int, group: Group, device, x: torch.Tensor | None = None) -> list[int]:
-    """Every rank's row count, by one small all-gather; with ``x``, the same exchange carries its dtype and
-    trailing shape, and ranks that disagree raise together (a ``ValueError`` naming ``x``): gloo aborted the
-    process on rows of another size."""
+def _exchange_sizes(x: torch.Tensor, group: Group) -> list[int]:
+    """Every rank's row count of ``x``, by one small all-gather; the same exchange carries its dtype and trailing
+    shape, and ranks that disagree raise together (a ``ValueError`` naming ``x``): gloo aborted the process on
+    rows of another size."""
     ws, rank = group_size_rank(group)
-    sig = [] if x is None else _signature(x)
-    mine = torch.tensor([n, *sig], dtype=torch.int64, device=device)
+    sig = _signature(x)
+    mine = torch.tensor([x.shape[0], *sig], dtype=torch.int64, device=x.device)
     out = [torch.empty_like(mine) for _ in range(ws)]
     dist.all_gather(out, mine, group=group)
     rows = [t.tolist() for t in out]
@@ -153,7 +153,7 @@ class _AllToAll(torch.autograd.Function):
 def _gathered_sizes(x: torch.Tensor, group: Group, sizes) -> list[int]:
     """The row counts of a gather: checked, or exchanged when None; this rank's must be x's."""
     ws, rank = group_size_rank(group)
-    sizes = _exchange_sizes(x.shape[0], group, x.device, x) if sizes is None else _check_sizes("sizes", sizes, ws)
+    sizes = _exchange_sizes(x, group) if sizes is None else _check_sizes("sizes", sizes, ws)
     if sizes[rank] != x.shape[0]:
         raise ValueError(f"sizes: expected sizes[{rank}] = x.shape[0] = {x.shape[0]} on rank {rank}, got {sizes[rank]}")
     return sizes

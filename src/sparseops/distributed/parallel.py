@@ -224,6 +224,7 @@ def _check(model: nn.Module, dims: ParallelDims, data_parallel: str) -> tuple[Pa
 
 def _wrapped_by(model: nn.Module) -> str | None:
     """What already wraps or shards ``model`` (DDP, FSDP2's ``fully_shard``, DTensor parameters), or None."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
     from .expert_parallel import is_dtensor
@@ -232,7 +233,7 @@ def _wrapped_by(model: nn.Module) -> str | None:
         where = f" at {name!r}" if name else ""
         if isinstance(m, DistributedDataParallel):
             return f"wrapped in DistributedDataParallel{where}"
-        if type(m).__name__.startswith("FSDP") or hasattr(m, "_get_fsdp_state"):  # fully_shard's class swap
+        if isinstance(m, FSDPModule):  # fully_shard swaps the module's class for one deriving from it
             return f"already sharded by fully_shard{where}"
     for name, p in model.named_parameters():
         if is_dtensor(p):

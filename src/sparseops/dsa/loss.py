@@ -56,10 +56,10 @@ def _target(q, k, indices, scale, cu):
     G, topk = N1 // N2, indices.shape[1]
     acc = acc_dtype(q.dtype)
     dev = q.device
-    seq = torch.repeat_interleave(torch.arange(len(cu) - 1, device=dev), torch.tensor(cu, device=dev).diff(),
-                                  output_size=T)
+    lens = torch.tensor(cu, dtype=torch.int64, device=dev).diff()
+    seq = torch.repeat_interleave(torch.arange(len(cu) - 1, device=dev), lens, output_size=T)
     start = torch.tensor(cu[:-1], dtype=torch.int64, device=dev)[seq]
-    length = torch.tensor(cu, dtype=torch.int64, device=dev).diff()[seq]
+    length = lens[seq]
     p = torch.zeros(T, topk, dtype=acc, device=dev)
     elt = torch.finfo(acc).bits // 8
     budget = CHUNK_BYTES if dev.type == "cpu" else DEVICE_CHUNK_BYTES
