@@ -439,6 +439,8 @@ def test_a_checkpoint_of_a_larger_model_is_refused(tmp_path):
                                          r"'model\.blocks\.1\..*\(a checkpoint of a larger model\)"):
         ckpt.load(tmp_path / "big", small)
     assert all(torch.equal(v, before[k]) for k, v in small.state_dict().items())
+    with pytest.raises(TypeError, match=r"whole: expected a tuple of top-level names \(str\), got 'model'"):
+        ckpt.check_compatible({"model": small.state_dict()}, tmp_path / "big", whole="model")
 
 
 def test_raw_ep_group_checkpoint_loads_in_one_process(ckpt_dir, w2):

@@ -81,6 +81,8 @@ def check_compatible(state_dict: Mapping, checkpoint_id: str | os.PathLike,
     is checked by :func:`read_metadata` first."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    if not (isinstance(whole, tuple) and all(isinstance(w, str) for w in whole)):
+        raise TypeError(f"whole: expected a tuple of top-level names (str), got {whole!r}")
     path = os.fspath(checkpoint_id)
     saved = read_metadata(path).state_dict_metadata
     for key, value in _flatten(state_dict).items():
