@@ -84,3 +84,24 @@ def nan_uninitialised(monkeypatch):
 
     monkeypatch.setattr(_cpu_attention, "uninitialised",
                         lambda *shape, dtype: torch.full(shape, float("nan"), dtype=dtype))
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test (the EP ranks' thread count: MKL rounds some small GEMMs, 5-11 rows,
+    differently with two threads than with one)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def eager_cpu_kernels():
+    """The library's eager CPU kernels in this process and in every subprocess it starts (``SPARSEOPS_COMPILE=0``):
+    each fresh torchrun rank would otherwise spend its first step compiling them. Oracle and parallel runs use
+    the same kernels; the compiled ones under torchrun are tests/cli/test_demo.py's (the EP rerun, bitwise).
+    ``pytestmark = pytest.mark.usefixtures("eager_cpu_kernels")``."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPARSEOPS_COMPILE", "0")
+        yield

@@ -14,14 +14,6 @@ TIMEOUT = 240.0
 MODEL = TINY.replace(expert_ffn_size=32)
 
 
-@pytest.fixture
-def one_thread():
-    """The one-process run at the EP ranks' thread count: MKL rounds some small GEMMs (5-11 rows) differently
-    with two threads than with one."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _losses(r: dict) -> torch.Tensor:

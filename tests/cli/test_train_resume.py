@@ -1,0 +1,219 @@
+"""``sparseops train``'s checkpoints against its flags, in this process: a resume's flags against the checkpoint
+(its recorded settings, shapes, data, AdamW's settings), damaged checkpoints and unwritable outputs before any
+collective, and a save, load or JSON write that fails during the run."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparseops.cli import main
+
+from ..models.test_lm import TINY_TASK
+from .test_train import ARGV, ARGV_DATA, CFG, MODEL, _checkpoint, _json
+
+pytestmark = pytest.mark.usefixtures("eager_cpu_kernels")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A one-process run's checkpoints ``ck/step_2`` and ``ck/step_4``, ``two/step_2`` alone, and a token file."""
+    root = tmp_path_factory.mktemp("saved")
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main([*ARGV, "--save", str(root / "ck"), "--save-every", "2"]) == 0
+    finally:
+        torch.set_num_threads(n)
+    (root / "two").mkdir()
+    shutil.copytree(root / "ck" / "step_2", root / "two" / "step_2")
+    (torch.arange(4 * 81 * 3) % 24).to(torch.uint16).numpy().tofile(root / "t.bin")  # the recall task's vocabulary
+    for name in ("trunc", "empty"):  # damaged copies: a truncated shard, an empty .metadata
+        shutil.copytree(root / "ck" / "step_2", root / name / "step_2")
+    with open(root / "trunc" / "step_2" / "__0_0.distcp", "r+b") as f:
+        f.truncate(1000)
+    (root / "empty" / "step_2" / ".metadata").write_bytes(b"")
+    (root / "blocked").mkdir()
+    (root / "blocked" / "step_2").write_text("")
+    return root
+
+
+def _tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--resume", "{ck}", "--num-experts", "8"],
+     r"--num-experts: expected the checkpoint's 4 with --resume \(the run it continues used it; leave the flag out "
+     r"to keep it\), got 8 \(checkpoint '.*step_4'\)"),
+    (["--resume", "{ck}", "--top-k", "1"], r"--top-k: expected the checkpoint's 2 with --resume .*, got 1"),
+    (["--resume", "{ck}", "--rope-theta", "500"], r"--rope-theta: expected the checkpoint's 10000.0 with --resume .*, "
+                                                   r"got 500.0"),
+    (["--resume", "{ck}", "--rope-theta", "none"], r"--rope-theta: expected the checkpoint's 10000.0 with --resume .*, "
+                                                   r"got None"),
+    (["--resume", "{ck}", "--seed", "5"], r"--seed: expected the checkpoint's 0 with --resume .*, got 5"),
+    (["--resume", "{ck}", "--recall-pairs", "3"], r"--recall-pairs: expected the checkpoint's \d+ with --resume"),
+    (["--resume", "{ck}", "--data", "{saved}/t.bin"],
+     "--resume: data: expected a checkpoint of a token file, got one of 'recall'"),
+    (["--resume", "{ck}", "--lr", "0.5"], r"--lr: expected the checkpoint's 0.01 with --resume .*, got 0.5"),
+    (["--resume", "{ck}", "--weight-decay", "0.1"], r"--weight-decay: expected the checkpoint's 0.0 with --resume"),
+    (["--save", "{ck}"], "--save: expected a directory with no complete checkpoint after step 0 .*holding step_2, step_4"),
+    (["--resume", "{saved}/two", "--save", "{ck}"], "--save: expected .* after step 2 .*holding step_4; resume"),
+    (["--save", "{saved}/t.bin"], "--save: expected a directory that can be written, got .*t.bin' .*t.bin' is a file."),
+    (["--save", "{saved}/blocked"], "--save: expected only checkpoint directories named step_<s> in .*blocked', got "
+                                   "step_2, not a directory"),
+    (["--json", "/dev/null"], "--json: expected a regular file path, got '/dev/null', which exists and is not a"),
+    (["--json", "{saved}"], "--json: expected a file path, got .*, a directory"),
+    (["--resume", "{ck}", "--steps", "3"], "--steps: expected at least the resumed step 4 .*, got 3"),
+    (["--resume", "{saved}/trunc"], r"--resume: expected '.*trunc/step_2/__0_0.distcp' of at least \d+ bytes \(as the "
+                                    r"checkpoint's .metadata records\), got 1000 bytes: a damaged or partial checkpoint"),
+    (["--resume", "{saved}/empty"], r"--resume: expected a readable .metadata in '.*empty/step_2', got one that does "
+                                    r"not read \(EOFError: .*\): a damaged checkpoint"),
+], ids=["experts", "top-k", "rope", "rope-off", "seed", "recall-task", "data-kind", "lr", "weight-decay", "save-over-later", "resume-save-over-later",
+        "save-a-file", "save-a-file-in-the-way", "json-a-device", "json-a-directory", "steps-before-resumed", "truncated-shard",
+        "empty-metadata"])
+def test_resume_and_outputs_checked_before_any_collective(saved, tmp_path, monkeypatch, capsys, extra, match):
+    """A checkpoint of another model, data or optimizer setting, a --save directory whose later checkpoints the
+    run would write over (or a later --resume would pick), an output that cannot be written: exit 2 naming the
+    flag, under torchrun's environment with no rendezvous behind it (before any collective), nothing written or
+    changed (the step_4 of a run killed while saving over it in place would keep its old .metadata)."""
+    for k, v in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    extra = [x.replace("{ck}", str(saved / "ck")).replace("{saved}", str(saved)) for x in extra]
+    before = _tree(saved)
+    out = [] if "--save" in extra else ["--save", str(tmp_path / "out")]
+    out += [] if "--json" in extra else ["--json", str(tmp_path / "r.json")]
+    argv = ARGV_DATA if "--data" in extra else ARGV
+    assert main([*argv, "--ep", "2", "--comm-timeout", "5", *extra, *out]) == 2
+    assert re.search(match, capsys.readouterr().err)
+    assert _tree(saved) == before and _tree(tmp_path) == []
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_the_run_with_a_message(tmp_path, monkeypatch, capsys,
+                                                                         one_thread):
+    """The second save fails (a full disk, as DCP's writer reports it): exit 1 naming the step, the checkpoint and
+    the first rank's error, the JSON written with it, the incomplete step_4 removed; step_2 stays whole."""
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    calls = []
+    write = FileSystemWriter.write_data
+
+    def full_disk(self, plan, planner):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full_disk)
+    ck = tmp_path / "ck"
+    assert main([*ARGV, "--save", str(ck), "--save-every", "2", "--json", str(tmp_path / "r.json")]) == 1
+    err = capsys.readouterr().err
+    want = f"stopped at step 3: the checkpoint {ck / 'step_4'} could not be written: rank 0: OSError: [Errno 28]"
+    assert want in err, err
+    r = _json(tmp_path / "r.json")
+    assert r["steps"] == [0, 1, 2, 3] and r["checkpoints"] == [str(ck / "step_2")]
+    assert r["error"].startswith("step 3: the checkpoint ")
+    assert (ck / "step_2" / ".metadata").is_file() and not (ck / "step_4").exists()
+
+
+def test_a_json_that_cannot_be_written_at_the_end_exits_1(tmp_path, monkeypatch, capsys, one_thread):
+    """The launch check passed but the write at the end fails: a message naming --json, exit 1, no partial file."""
+    from sparseops.cli import train as cli_train
+
+    real = Path.write_text
+
+    def fail(self, *a, **k):
+        if self.name.endswith(".tmp"):
+            raise OSError(28, "No space left on device")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Path, "write_text", fail)
+    assert cli_train._write_json(tmp_path / "r.json", {"a": 1}).startswith("could not write")
+    assert main([*ARGV, "--steps", "1", "--json", str(tmp_path / "r.json")]) == 1
+    assert "--json: could not write" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_that_fails_to_read_after_the_launch_checks_exits_1(saved, tmp_path, monkeypatch, capsys,
+                                                                         one_thread):
+    """Damage the launch checks cannot see (the shard's bytes themselves): exit 1 naming --resume, the checkpoint
+    and the error, the JSON written with it."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    read = FileSystemReader.read_data
+
+    def damaged(self, plan, planner):  # the tensors' bytes fail; the launch checks read values only
+        if any(item.type == LoadItemType.TENSOR for item in plan.items):
+            raise OSError(5, "Input/output error")
+        return read(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemReader, "read_data", damaged)
+    assert main([*ARGV, "--resume", str(saved / "two"), "--json", str(tmp_path / "r.json")]) == 1
+    err = capsys.readouterr().err
+    assert f"--resume: the checkpoint {saved / 'two' / 'step_2'} could not be read: rank 0: OSError: [Errno 5]" in err
+    assert _json(tmp_path / "r.json")["error"].startswith("--resume: the checkpoint")
+
+
+def test_resume_with_the_flags_left_out_continues_the_checkpoints_run(saved):
+    """``--resume DIR`` alone: the model, the recall task, --seq-len, --seed and --global-batch are the recorded
+    ones (the demo's defaults would build another model, or the same shapes computing something else)."""
+    from sparseops.cli import build_parser
+    from sparseops.cli.train import build_spec
+
+    spec = build_spec(build_parser().parse_args(["train", "--resume", str(saved / "ck")]), 1)
+    assert spec.model == MODEL.replace(vocab_size=TINY_TASK.vocab_size) and spec.task == TINY_TASK
+    assert (spec.optim.seed, spec.optim.batch_size) == (CFG.seed, CFG.batch_size)
+    assert spec.model != build_spec(build_parser().parse_args(["train"]), 1).model
+
+
+def test_checkpoints_without_recorded_settings_are_checked_by_shape(saved, tmp_path):
+    """A checkpoint written before the settings were recorded: the flags are the run's, its shapes checked."""
+    from sparseops.cli import build_parser
+    from sparseops.cli.train import _Bad, build_spec, check_run
+    from sparseops.training.loop import make_data
+
+    old = tmp_path / "old"
+    _strip_settings(saved / "two" / "step_2", old / "step_2", tmp_path)
+    args = build_parser().parse_args([*ARGV, "--resume", str(old), "--top-k", "1"])
+    spec = build_spec(args, 1)
+    assert spec.model.top_k == 1 and check_run(spec, make_data(spec), args).model.top_k == 1
+    args = build_parser().parse_args([*ARGV, "--resume", str(old), "--hidden-size", "32"])
+    spec = build_spec(args, 1)
+    with pytest.raises(_Bad, match=r"--resume: expected 'model.embed.weight' of shape \[24, 32\]"):
+        check_run(spec, make_data(spec), args)
+
+
+def _strip_settings(src: Path, dst: Path, tmp_path: Path) -> None:
+    """A copy of the checkpoint ``src`` without its ``train.settings.*`` entries, as DCP writes it."""
+    import torch.distributed.checkpoint as dcp
+
+    state = _checkpoint(src, tmp_path)
+    del state["train"]["settings"]
+    dcp.save(state, checkpoint_id=dst, no_dist=True)
+
+
+def test_resume_without_optimizer_flags_keeps_the_checkpoints(saved):
+    """--resume with --lr / --weight-decay left out: the checkpoint's values are the run's (not the flags'
+    defaults, which would be refused as a change)."""
+    from sparseops.cli import build_parser
+    from sparseops.cli.train import build_spec, check_run
+    from sparseops.training.loop import make_data
+
+    argv = [*ARGV, "--resume", str(saved / "ck")]
+    for flag in ("--lr", "--weight-decay"):
+        i = argv.index(flag)
+        del argv[i:i + 2]
+    args = build_parser().parse_args(argv)
+    spec = build_spec(args, 1)
+    assert (spec.optim.lr, spec.optim.weight_decay) != (CFG.lr, CFG.weight_decay)  # the flags' defaults
+    spec = check_run(spec, make_data(spec), args)
+    assert (spec.optim.lr, spec.optim.weight_decay) == (CFG.lr, CFG.weight_decay)
