@@ -25,6 +25,17 @@ def fmt_shape(shape) -> str:
     return "[" + ", ".join(str(int(s)) for s in shape) + "]"
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (empty when it has none): what a one-line report quotes."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def fmt_exc(exc: BaseException) -> str:
+    """``exc`` on one line: ``TypeName: the message's first line``."""
+    return f"{type(exc).__name__}: {first_line(exc)}"
+
+
 def check_tensor(
     name: str,
     t,

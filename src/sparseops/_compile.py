@@ -27,6 +27,8 @@ from collections.abc import Callable
 
 import torch
 
+from ._checks import fmt_exc
+
 
 def enabled() -> bool:
     """Whether compiled CPU kernels may be used (``SPARSEOPS_COMPILE`` is not ``0``)."""
@@ -75,7 +77,7 @@ class CompiledKernel:
                 compiled(*args)
         except Exception as exc:  # noqa: BLE001 - any compile failure means: use the eager path
             self._compiled[key] = None
-            self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            self.failed = fmt_exc(exc)
             dtypes = ", ".join(str(d).replace("torch.", "") for d, _ in key)
             warnings.warn(
                 f"sparseops: torch.compile of the CPU kernel {self.name} failed for dtypes ({dtypes}) "

@@ -27,6 +27,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from .._checks import fmt_exc
+
 #: ``DIR/step_<s>``: the checkpoint after ``s`` steps
 _NAME = re.compile(r"step_(\d+)")
 METADATA = ".metadata"
@@ -204,13 +206,8 @@ def _first_cause(exc: BaseException) -> str:
     if failures:
         rank, err = min(failures.items(), key=lambda kv: kv[0])
         inner = err[0] if isinstance(err, tuple) else err  # DCP pairs each rank's error with its traceback
-        return f"rank {rank}: {_one_line(inner)}"
-    return _one_line(exc)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+        return f"rank {rank}: {fmt_exc(inner)}"
+    return fmt_exc(exc)
 
 
 def _saved_rng_ranks(path: Path) -> set[int]:

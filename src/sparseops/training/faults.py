@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .._checks import first_line
+
 FAULT_ENV = "SPARSEOPS_TRAIN_FAULT"
 FAULT_KINDS = ("hang", "kill", "nan")
 
@@ -82,6 +84,5 @@ def nonfinite_ranks(flags: torch.Tensor) -> list[int]:
 
 def collective_failure(step: int, rank: int, timeout: float, exc: BaseException) -> TrainingStopped:
     """The error of a collective that raised on this rank (a peer stopped responding or died)."""
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return TrainingStopped(step, f"{type(exc).__name__} on rank {rank}: {first} (a collective that fails here: a "
+    return TrainingStopped(step, f"{type(exc).__name__} on rank {rank}: {first_line(exc)} (a collective that fails here: a "
                                  f"rank stopped responding within --comm-timeout {timeout:g} s, or died)")
