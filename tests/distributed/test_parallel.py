@@ -18,54 +18,15 @@ from torch import nn
 
 from sparseops.distributed import ParallelDims, clip_grad_norm_, materialize, parallelize, spawn
 from sparseops.distributed import checkpoint as ckpt
-from sparseops.nn import MoELayer, NativeSparseAttention, update_expert_bias
+from sparseops.nn import MoELayer, update_expert_bias
 from sparseops.testing import TRAINING_TOLERANCE
+
+from .parallel_net import BATCH, SAVE_AT, SEED, SEQ, STEPS, E, H, V
+from .parallel_net import model as _model
 
 pytestmark = pytest.mark.distributed
 
-V, H, E, SEQ, BATCH, STEPS, SAVE_AT, SEED = 24, 16, 4, 32, 4, 3, 2, 0
 TIMEOUT = 300.0
-
-
-class Block(nn.Module):
-    """``h + attn(norm(h))``, then ``h + moe(norm(h))`` (shared expert, both losses, the balancing bias)."""
-
-    def __init__(self, dispatcher: str, num_experts: int, expert_ffn: int):
-        super().__init__()
-        self.norm1 = nn.RMSNorm(H, dtype=torch.float64)
-        self.attn = NativeSparseAttention(H, 2, 1, 8, compress_block_size=16, compress_stride=16,
-                                          select_block_size=16, select_count=3, window_size=16, dtype=torch.float64)
-        self.norm2 = nn.RMSNorm(H, dtype=torch.float64)
-        self.moe = MoELayer(H, expert_ffn, num_experts, 2, dispatcher=dispatcher, shared_ffn_size=8,
-                            aux_loss_coeff=1e-2, z_loss_coeff=1e-3, expert_bias=True, dtype=torch.float64)
-
-    def forward(self, h, cu):
-        h = h + self.attn(self.norm1(h), cu)
-        y, aux = self.moe(self.norm2(h))
-        return h + y, aux.loss
-
-
-class Net(nn.Module):
-    """Embedding, two blocks (one per dispatcher), RMSNorm, tied head."""
-
-    def __init__(self, num_experts: int = E, expert_ffn: int = 8):
-        super().__init__()
-        self.embed = nn.Embedding(V, H, dtype=torch.float64)
-        self.blocks = nn.ModuleList(Block(d, num_experts, expert_ffn) for d in ("allgather", "alltoall"))
-        self.norm = nn.RMSNorm(H, dtype=torch.float64)
-
-    def forward(self, tokens, cu):
-        h = self.embed(tokens)
-        aux = h.new_zeros(())
-        for block in self.blocks:
-            h, a = block(h, cu)
-            aux = aux + a
-        return F.linear(self.norm(h), self.embed.weight), aux
-
-
-def _model(**kw) -> Net:
-    torch.manual_seed(SEED)
-    return Net(**kw)
 
 
 def _batch(step: int, rank: int, world: int, micro: int = 1, m: int = 0, split: int | None = None):
@@ -427,22 +388,6 @@ def test_one_process_resume_and_incompatible(ckpt_dir, w4, oracle):
         ckpt.load(f"{ckpt_dir}/nowhere", _model())
 
 
-def test_a_checkpoint_of_a_larger_model_is_refused(tmp_path):
-    """A model with a block fewer than the checkpoint's: ValueError naming the entries it lacks, nothing loaded
-    (DCP loads the keys the loading state has and leaves the rest: a silent partial load)."""
-    big = _model()
-    ckpt.save(tmp_path / "big", big)
-    small = _model()
-    del small.blocks[1]
-    before = {k: v.clone() for k, v in small.state_dict().items()}
-    with pytest.raises(ValueError, match=r"expected no entry the model lacks in the checkpoint .*, got \d+: "
-                                         r"'model\.blocks\.1\..*\(a checkpoint of a larger model\)"):
-        ckpt.load(tmp_path / "big", small)
-    assert all(torch.equal(v, before[k]) for k, v in small.state_dict().items())
-    with pytest.raises(TypeError, match=r"whole: expected a tuple of top-level names \(str\), got 'model'"):
-        ckpt.check_compatible({"model": small.state_dict()}, tmp_path / "big", whole="model")
-
-
 def test_raw_ep_group_checkpoint_loads_in_one_process(ckpt_dir, w2):
     """The raw ep_group layer's checkpoint (ep = 2) holds both ranks' experts: a one-process layer gets all E."""
     from sparseops.nn import GroupedExperts
@@ -458,95 +403,3 @@ def test_raw_ep_group_checkpoint_loads_in_one_process(ckpt_dir, w2):
     dcp.load(state, checkpoint_id=f"{ckpt_dir}/raw")
     layer.load_state_dict(state)
     assert torch.equal(layer.experts.w1, torch.cat(blocks))
-
-
-def test_load_with_an_optimizer_of_a_checkpoint_without_one(tmp_path):
-    """ckpt.load(path, model, opt) of a model-only checkpoint: ValueError naming the optimizer key, before anything
-    is read (DCP's planner raised a CheckpointException, a BaseException, a traceback deep in DCP)."""
-    model = _model()
-    ckpt.save(tmp_path / "model_only", model)
-    other = _model()
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(1.0)
-    before = {k: v.clone() for k, v in other.state_dict().items()}
-    opt = torch.optim.AdamW(other.parameters())
-    with pytest.raises(ValueError, match=r"expected the key 'optim\.state\..*' .*no such key \(a checkpoint saved "
-                                         r"without an optimizer\?\)"):
-        ckpt.load(tmp_path / "model_only", other, opt)
-    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())  # nothing loaded
-    ckpt.load(tmp_path / "model_only", other)  # the model alone loads
-    assert all(torch.equal(v, model.state_dict()[k]) for k, v in other.state_dict().items())
-
-
-def test_materialize_in_one_process():
-    """Without a process group: a meta-built model gets the full state dict and fresh non-persistent buffers."""
-    with torch.device("meta"):
-        model = _model()
-    ref = _model()
-    materialize(model, "cpu", ref.state_dict())
-    for kind in ("named_parameters", "named_buffers"):
-        got, want = dict(getattr(model, kind)()), dict(getattr(ref, kind)())
-        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), kind
-
-
-def test_dims_bad_input_without_a_process_group():
-    with pytest.raises(ValueError, match="ep"):
-        ParallelDims(dp_shard=3, ep=2)
-    with pytest.raises(ValueError, match="dp_replicate"):
-        ParallelDims(dp_replicate=0)
-    with pytest.raises(TypeError, match="ep"):
-        ParallelDims(ep=2.0)
-    with pytest.raises(ValueError, match="dp_replicate"):
-        ParallelDims(dp_replicate=3).resolve(4)
-    with pytest.raises(ValueError, match="ep"):
-        ParallelDims(ep=4).resolve(2)
-    assert ParallelDims(dp_replicate=2, ep=2).resolve(8) == ParallelDims(2, 4, 2)
-    assert ParallelDims(dp_replicate=2, ep=2).resolve(8).efsdp == 2
-    with pytest.raises(RuntimeError, match="process group"):
-        parallelize(_model(), ParallelDims())
-    with pytest.raises(ValueError, match="ddp_options"):
-        parallelize(_model(), ParallelDims(), ddp_options={"static_graph": True})  # with fsdp
-    with pytest.raises(ValueError, match="ddp_options"):
-        parallelize(_model(), ParallelDims(), data_parallel="ddp", ddp_options={"device_ids": [0]})
-    with pytest.raises(TypeError, match="find_unused_parameters"):
-        parallelize(_model(), ParallelDims(), data_parallel="ddp", ddp_options={"find_unused_parameters": 1})
-    with pytest.raises(ValueError, match="device"):
-        materialize(nn.Linear(2, 2), "meta")
-    with pytest.raises(TypeError, match="state_dict"):
-        materialize(nn.Linear(2, 2), "cpu", [])
-    with pytest.raises(ValueError, match="state_dict"):
-        materialize(nn.Linear(2, 2), "cpu", from_rank0=True)
-
-
-def _stalled(rank: int, world: int) -> str:
-    """Rank 1 never joins a collective on a layout group: rank 0's wait ends after the layout's timeout."""
-    import time
-
-    dims = ParallelDims(ep=2).build("cpu", timeout=1.5)
-    group = dims.mesh("expert", "cpu").get_group("ep")
-    if rank == 1:
-        time.sleep(5)
-        return "skipped"
-    start = time.monotonic()
-    try:
-        dist.all_reduce(torch.ones(1), group=group)
-        return "no error"
-    except RuntimeError:
-        return f"raised after {time.monotonic() - start:.1f} s"
-
-
-def test_w2_layout_groups_time_out():
-    got = spawn(_stalled, 2, timeout=60.0)[0]
-    assert got.startswith("raised after") and float(got.split()[2]) < 5, got
-
-
-def test_parallelize_names_an_fsdp2_too_old(monkeypatch):
-    # torch < 2.8: FSDP2 without set_force_sum_reduction_for_comms; refused before any group or collective
-    from torch.distributed.fsdp import FSDPModule
-
-    monkeypatch.delattr(FSDPModule, "set_force_sum_reduction_for_comms")
-    with pytest.raises(RuntimeError, match=r"needs torch >= 2.8 \(FSDP2's "
-                                           r"FSDPModule.set_force_sum_reduction_for_comms\), got torch"):
-        parallelize(nn.Linear(2, 2), ParallelDims(dp_shard=1))
-    assert not dist.is_initialized()
