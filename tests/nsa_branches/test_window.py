@@ -1,9 +1,11 @@
 """sliding_window_attention against the float64 dense-mask reference: output and gradients, every dtype, packed
-sequences, small chunks, gradcheck, torch.compile, bad input."""
+sequences, small chunks, fp32 / fp16 / bf16 gradients on both CPU paths with non-contiguous inputs, gradcheck,
+torch.compile, bad input."""
 
 import pytest
 import torch
 
+from sparseops import _cpu_attention
 from sparseops.nsa_branches import chunked_attention, reference, sliding_window_attention
 from sparseops.testing import assert_close
 
@@ -81,6 +83,55 @@ def test_float32_extreme_scores(chunking):
     assert_close(o, o_ref, name="o", dtype=torch.float32)
     for name, a, e in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert_close(a, e, name=name, dtype=torch.float32)
+
+
+def _strided(cu, N1, N2, Dqk, Dv, dtype, seed=0):
+    """q, k, v as non-contiguous leaves: every other element of ``[T, N, 2 * D]``."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(cu[-1], n, 2 * D, generator=g, dtype=torch.float64).to(dtype)[..., ::2].requires_grad_()
+            for n, D in ((N1, Dqk), (N2, Dqk), (N2, Dv))]
+
+
+def _gradients_against_reference(cu, N1, N2, Dqk, Dv, w, dtype, monkeypatch, rows):
+    """o, dq, dk, dv of ``dtype`` inputs against the float64 reference on the same values, and which path ran: the
+    C++ kernels where the settings allow them and G fills a vector (16 in fp32 / fp16 / bf16), else the chunks
+    (of ``rows`` tokens)."""
+    calls = []
+    for fn in ("forward_ranges", "backward_ranges"):
+        real = getattr(_cpu_attention, fn)
+        monkeypatch.setattr(_cpu_attention, fn, lambda *a, _real=real, _fn=fn: calls.append(_fn) or _real(*a))
+    q, k, v = _strided(cu, N1, N2, Dqk, Dv, dtype)
+    assert not q.is_contiguous() and not k.is_contiguous() and not v.is_contiguous()
+    kernels = chunked_attention.SETTINGS.get().cpu_kernels and N1 // N2 >= 16 and _cpu_attention.available(q)
+    with chunked_attention.SETTINGS.override(window_rows=rows):
+        o = sliding_window_attention(q, k, v, cu, w)
+        do = torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
+        grads = torch.autograd.grad(o, (q, k, v), do)
+    assert calls == (["forward_ranges", "backward_ranges"] if kernels else [])
+    x64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    o_ref = reference.sliding_window_attention(*x64, cu, w, Dqk ** -0.5)
+    ref_grads = torch.autograd.grad(o_ref, x64, do.double())
+    assert_close(o, o_ref, name="o")
+    for name, a, e in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert a.dtype == dtype, name
+        assert_close(a, e, name=name)
+
+
+@pytest.mark.parametrize("N1, N2", [(16, 1), (4, 2)], ids=["G16", "G2"])
+def test_float32_gradients(N1, N2, monkeypatch):
+    """fp32 o, dq, dk, dv on both CPU paths (G = 16: the C++ kernels under the cpu-kernels parameter; G = 2, and
+    G = 16 under the chunks parameter: chunks of 2 tokens), non-contiguous inputs: an empty sequence, one shorter
+    than the window, one longer."""
+    _gradients_against_reference([0, 0, 3, 47], N1, N2, 16, 8, 9, torch.float32, monkeypatch, rows=2)
+
+
+@pytest.mark.parametrize("N1, N2", [(16, 1), (4, 2)], ids=["G16", "G2"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_gradients(dtype, N1, N2, monkeypatch):
+    """fp16 / bf16 gradients where nearly every query sees many keys (w = 16; only each sequence's first 7
+    positions see fewer). Where a query sees 1-3 keys bf16 dq can pass the tolerance: delta = rowsum(dO * O) uses
+    the bf16-rounded O, as flash-attention 2 and CANN's grad op (which takes attention_out) do."""
+    _gradients_against_reference([0, 0, 40, 96], N1, N2, 16, 16, 16, dtype, monkeypatch, rows=16)
 
 
 def test_gradcheck():
