@@ -1,9 +1,11 @@
 """compressed_attention against the float64 dense-mask reference: output, lse and gradients; queries that see no
-complete block; every dtype; small chunks; gradcheck; bad input."""
+complete block; every dtype; fp32 / fp16 / bf16 gradients on both CPU paths with non-contiguous inputs; small
+chunks; gradcheck; bad input."""
 
 import pytest
 import torch
 
+from sparseops import _cpu_attention
 from sparseops.nsa_branches import chunked_attention, compress_kv, compressed_attention, reference
 from sparseops.testing import assert_close
 
@@ -77,6 +79,51 @@ def test_low_precision_forward(dtype):
     assert o.dtype == dtype and lse.dtype == torch.float32
     assert_close(o, o_ref, dtype=dtype)
     assert_close(lse, lse_ref, dtype=dtype, name="lse")
+
+
+def _gradients_against_reference(cu, N1, N2, l, d, dtype, monkeypatch, chunk_bytes):
+    """o, lse, dq, dk_cmp, dv_cmp of ``dtype`` inputs (non-contiguous: every other element of ``[.., 2 * D]``)
+    against the float64 reference on the same values, and which path ran: the C++ kernels where the settings allow
+    them and G fills a vector (16 in fp32 / fp16 / bf16), else the chunks (of ``chunk_bytes``)."""
+    calls = []
+    for fn in ("forward_ranges", "backward_ranges"):
+        real = getattr(_cpu_attention, fn)
+        monkeypatch.setattr(_cpu_attention, fn, lambda *a, _real=real, _fn=fn: calls.append(_fn) or _real(*a))
+    Dqk, Dv = 16, 8
+    q, kc, vc, cu_cmp = _inputs(cu, N1, N2, Dqk, Dv, l, d)
+    q, kc, vc = (torch.stack((t, torch.zeros_like(t)), -1).flatten(-2).to(dtype)[..., ::2].detach().requires_grad_()
+                 for t in (q, kc, vc))
+    assert not (q.is_contiguous() or kc.is_contiguous() or vc.is_contiguous())
+    kernels = chunked_attention.SETTINGS.get().cpu_kernels and N1 // N2 >= 16 and _cpu_attention.available(q)
+    with chunked_attention.SETTINGS.override(chunk_bytes=chunk_bytes):
+        o, lse = compressed_attention(q, kc, vc, cu, cu_cmp, l, d)
+        do = torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
+        grads = torch.autograd.grad(o, (q, kc, vc), do)
+    assert calls == (["forward_ranges", "backward_ranges"] if kernels else [])
+    x64 = [t.detach().double().requires_grad_() for t in (q, kc, vc)]
+    o_ref, lse_ref = reference.compressed_attention(*x64, cu, cu_cmp, l, d, Dqk ** -0.5)
+    ref_grads = torch.autograd.grad(o_ref, x64, do.double())
+    assert_close(o, o_ref, name="o")
+    assert_close(lse, lse_ref, dtype=dtype, name="lse")
+    for name, a, e in zip(("dq", "dk_cmp", "dv_cmp"), grads, ref_grads):
+        assert a.dtype == dtype, name
+        assert_close(a, e, name=name)
+
+
+@pytest.mark.parametrize("N1, N2", [(16, 1), (4, 2)], ids=["G16", "G2"])
+def test_float32_gradients(N1, N2, monkeypatch):
+    """fp32 on both CPU paths (G = 16: the C++ kernels under the cpu-kernels parameter; G = 2, and G = 16 under
+    the chunks parameter: chunks of one token): an empty sequence, one shorter than a block (l = 8), one longer."""
+    _gradients_against_reference([0, 0, 5, 70], N1, N2, 8, 4, torch.float32, monkeypatch, chunk_bytes=1)
+
+
+@pytest.mark.parametrize("N1, N2", [(16, 1), (4, 2)], ids=["G16", "G2"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_gradients(dtype, N1, N2, monkeypatch):
+    """fp16 / bf16 gradients where most queries see many blocks (l = d = 4: position p sees (p + 1) // 4 of them, only
+    the first 31 positions of a sequence fewer than 8). Where a query sees 1-3 blocks bf16 dq can pass the
+    tolerance: delta = rowsum(dO * O) uses the bf16-rounded O, as flash-attention 2 and CANN's grad op do."""
+    _gradients_against_reference([0, 0, 100, 160], N1, N2, 4, 4, dtype, monkeypatch, chunk_bytes=16 << 20)
 
 
 def test_gradcheck():
