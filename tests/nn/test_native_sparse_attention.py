@@ -97,14 +97,29 @@ def test_float64_against_oracle(cfg):
         assert_close(a, e, name=f"d{name}")
 
 
-def test_fp32_against_oracle():
-    _, kwargs, cu = CONFIGS[3]
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_fp32_against_oracle(cfg):
+    """An fp32 module (G = 16: the branches' C++ kernels) against the float64 oracle on the same values: the
+    selection, y, and x's and every parameter's gradient within the fp32 tolerance."""
+    _, kwargs, cu = cfg
     m = _module(kwargs)
-    x = _x(cu[-1])
-    y_ref, _ = oracle(m, x, cu)
-    y = m.float()(x.detach().float(), cu)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(p.float())
+    x = _x(cu[-1]).detach().float().double().requires_grad_()
+    y_ref, topk_ref = oracle(m, x, cu)
+    m32 = copy.deepcopy(m).float()
+    x32 = x.detach().float().requires_grad_()
+    y, info = m32(x32, torch.tensor(cu, dtype=torch.int32), return_info=True)
     assert y.dtype == torch.float32
-    assert_close(y, y_ref, dtype=torch.float32)
+    assert torch.equal(info["topk_indices"], topk_ref)
+    assert_close(y, y_ref, name="y")
+    dy = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    got = torch.autograd.grad(y, [x32, *m32.parameters()], dy.float())
+    want = torch.autograd.grad(y_ref, [x, *m.parameters()], dy)
+    for name, a, e in zip(["x", *(n for n, _ in m.named_parameters())], got, want):
+        assert a.dtype == torch.float32, name
+        assert_close(a, e, name=f"d{name}")
 
 
 @pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[3]], ids=[CONFIGS[0][0], CONFIGS[3][0]])
