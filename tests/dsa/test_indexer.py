@@ -1,5 +1,5 @@
 """indexer_topk against the dense float64 scores (index_scores): the exact selection with ties to the smaller
-position, short sequences, varlen, causal and not, chunking, the scores' gradients; bad input."""
+position, short sequences, varlen, causal and not, chunking, the scores' gradients, fp16 selection; bad input."""
 
 import pytest
 import torch
@@ -119,6 +119,30 @@ def test_low_precision_scores_are_fp32(dtype):
     want = torch.autograd.grad((d64 * g).sum(), (q64, k64, w64))
     for name, got, exp in zip(("dq_idx", "dk_idx", "dweights"), (q.grad, k.grad, w.grad), want):
         assert_close(got, exp, dtype, name=name)
+
+
+@pytest.mark.parametrize("T, cu, topk, causal, ties", [
+    (17, [0, 5, 5, 17], 4, True, True),  # an empty sequence, ties
+    (17, [0, 9, 17], 6, False, True),
+    (40, [0, 3, 40], 9, True, False),  # a sequence shorter than topk
+    (30, None, 30, False, False),  # every key
+])
+def test_fp16_selection_is_the_exact_topk(T, cu, topk, causal, ties, monkeypatch):
+    """fp16 inputs (fp32 arithmetic): the selection equals the exact top-k, ties to the smaller position, of the
+    float64 scores of the same fp16 values (with ties: quarter-integers, every sum exact in fp32, so the equal
+    scores stay equal), in one chunk and in one-row chunks; the scores within the fp32 tolerance."""
+    q, k, w = _inputs(T, dtype=torch.float16, ties=ties, seed=7)
+    cu_l = cu if cu is not None else [0, T]
+    q64, k64, w64 = (t.detach().double() for t in (q, k, w))
+    exp_idx, dense, starts = _expected(q64, k64, w64, topk, cu_l, causal)
+    for chunk in (indexer.CHUNK_BYTES, 1):
+        monkeypatch.setattr(indexer, "CHUNK_BYTES", chunk)
+        idx, sc = indexer_topk(q, k, w, topk, cu_seqlens=cu, causal=causal)
+        assert sc.dtype == torch.float32
+        assert torch.equal(idx.long(), exp_idx)
+        live = idx >= 0
+        exp_sc = torch.where(live, dense.gather(1, torch.where(live, idx.long() + starts[:, None], 0)), float("-inf"))
+        assert_close(sc, exp_sc, torch.float32, name="scores")
 
 
 def test_backward_bitwise_repeatable():
