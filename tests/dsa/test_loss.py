@@ -1,5 +1,6 @@
 """indexer_kl_loss against a dense float64 oracle: KL of the head-averaged attention over the selected set,
-gradient to the scores only, varlen, GQA, -1 slots, the dense warm-up selection, chunking; bad input."""
+gradient to the scores only, varlen, GQA, -1 slots, the dense warm-up selection, chunking; repeated positions
+against a per-slot oracle; any value at -1 slots; bad input."""
 
 import pytest
 import torch
@@ -87,6 +88,79 @@ def test_float32_scores_and_empty_rows():
     (g_got,) = torch.autograd.grad(got, wi, retain_graph=True)
     (g_want,) = torch.autograd.grad(want, wi)
     assert_close(g_got, g_want, torch.float32, name="dweights")
+
+
+def _per_slot_loss(q, k, indices, scores, scale, cu):
+    """Per token and slot in float64: each live slot (duplicates included) its own softmax entry, in the heads'
+    attention and in softmax(scores), as docs/dsa.md defines them."""
+    T, N1, _ = q.shape
+    G = N1 // k.shape[1]
+    total = scores.new_zeros((), dtype=torch.float64)
+    for b in range(len(cu) - 1):
+        for t in range(cu[b], cu[b + 1]):
+            live = [j for j in range(indices.shape[1]) if indices[t, j] >= 0]
+            if not live:
+                continue
+            rows = torch.tensor([cu[b] + int(indices[t, j]) for j in live])
+            logits = torch.stack([scale * (k[rows, h // G].double() @ q[t, h].double()) for h in range(N1)])
+            p = torch.softmax(logits, dim=-1).mean(0)
+            total = total + (p * (p.log() - torch.log_softmax(scores[t, live].double(), -1))).sum()
+    return total / T
+
+
+def _duplicates_case(seed=4):
+    """A varlen case (an empty sequence, a one-token one) whose rows repeat positions, some three times, with -1
+    slots between them."""
+    g = torch.Generator().manual_seed(seed)
+    cu = [0, 9, 9, 10, 24]
+    T, N1, N2, D = cu[-1], 4, 2, 8
+    q = torch.randn(T, N1, D, generator=g, dtype=torch.float64)
+    k = torch.randn(T, N2, D, generator=g, dtype=torch.float64)
+    indices = torch.full((T, 6), -1, dtype=torch.int64)
+    for b in range(len(cu) - 1):
+        for t in range(cu[b], cu[b + 1]):
+            pos = torch.randint(0, t - cu[b] + 1, (5,), generator=g)
+            pos[1] = pos[3] = pos[0]  # position pos[0] three times
+            indices[t, :5] = pos
+    indices[::3, 2] = -1
+    scores = torch.randn(T, 6, generator=g, dtype=torch.float64).requires_grad_()
+    return q, k, indices, scores, cu
+
+
+def test_duplicate_positions_count_as_separate_slots(monkeypatch):
+    q, k, indices, scores, cu = _duplicates_case()
+    assert (indices[:, 0] == indices[:, 3]).all() and (indices[:, 1] >= 0).all()
+    want = _per_slot_loss(q, k, indices, scores, 0.3, cu)
+    (g_want,) = torch.autograd.grad(want, scores)
+    for chunk in (loss.CHUNK_BYTES, 1):
+        monkeypatch.setattr(loss, "CHUNK_BYTES", chunk)
+        got = indexer_kl_loss(q, k, indices, scores, scale=0.3, head_num=4, cu_seqlens=cu)
+        assert_close(got, want, name="loss")
+        (g_got,) = torch.autograd.grad(got, scores)
+        assert_close(g_got, g_want, name="dscores")
+    # fp32: the per-slot oracle of the same values
+    q32, k32, s32 = q.float(), k.float(), scores.detach().float().requires_grad_()
+    got = indexer_kl_loss(q32, k32, indices, s32, scale=0.3, head_num=4, cu_seqlens=cu)
+    s64 = s32.detach().double().requires_grad_()
+    want = _per_slot_loss(q32, k32, indices, s64, 0.3, cu)
+    assert_close(got, want, name="loss")
+    assert_close(torch.autograd.grad(got, s32)[0], torch.autograd.grad(want, s64)[0], name="dscores")
+
+
+@pytest.mark.parametrize("fill", [float("nan"), float("inf"), float("-inf"), 1e30, -7.0], ids=str)
+def test_scores_at_unused_slots_have_no_effect(fill):
+    """``scores`` may hold anything at -1 slots (docs: "any value at -1"): the loss is the same bits, the gradient
+    there 0 and elsewhere the same bits."""
+    q, k, indices, scores, cu = _duplicates_case(seed=5)
+    clean = scores.detach().masked_fill(indices < 0, 0.0).requires_grad_()
+    dirty = scores.detach().masked_fill(indices < 0, fill).requires_grad_()
+    ref = indexer_kl_loss(q, k, indices, clean, scale=0.3, head_num=4, cu_seqlens=cu)
+    got = indexer_kl_loss(q, k, indices, dirty, scale=0.3, head_num=4, cu_seqlens=cu)
+    assert torch.equal(got, ref)
+    (g_ref,) = torch.autograd.grad(ref, clean)
+    (g_got,) = torch.autograd.grad(got, dirty)
+    assert torch.equal(g_got, g_ref)
+    assert bool((g_got[indices < 0] == 0).all())
 
 
 @pytest.mark.parametrize("edit, exc, msg", [
