@@ -155,6 +155,9 @@ def test_bad_calls():
         tdsa.dsa_attention(None, q, k, k, None, dropout=0.1, indices=idx)
     with pytest.raises(ValueError, match="indices"):
         tdsa.dsa_attention(None, q, k, k, None, indices=idx[:, :3])
+    wide = torch.zeros(1, 4, tdsa.MAX_TOPK + 1, dtype=torch.int32)  # a dense warm-up's index_topk past the limit
+    with pytest.raises(ValueError, match=r"indices: expected at most 2048 keys per query .*index_topk.*got 2049"):
+        tdsa.dsa_attention(None, q, k, k, None, indices=wide)
 
 
 def test_docs_indexer_training_recipe():

@@ -22,9 +22,13 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..dsa import indexer_kl_loss, indexer_topk
 from ..nsa.api import nsa_selected_attention
+from ..nsa.checks import max_block_count
 
 #: the ``attn_implementation`` name
 NAME = "sparseops"
+
+#: the most keys per query: ``nsa_selected_attention``'s ``selected_block_count`` limit at token granularity
+MAX_TOPK = max_block_count(1)
 
 #: each supported indexer's RoPE, a function of its modeling module: DeepSeek-V3.2 rotates half-split pairs,
 #: GLM-MoE-DSA interleaved pairs
@@ -74,6 +78,10 @@ def dsa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
         raise ValueError(f"indices: expected [B={B}, S={S}, topk], got {list(indices.shape)}")
     idx = indices.long()
     K = idx.shape[-1]
+    if K > MAX_TOPK:
+        raise ValueError(f"indices: expected at most {MAX_TOPK} keys per query (the op's selected_block_count limit; "
+                         f"the indexer's index_topk, which a dense warm-up sets to the sequence length: warm up on "
+                         f"at most {MAX_TOPK} tokens, docs/dsa.md), got {K}")
     idx = torch.where(_visible(idx, attention_mask, S, T), idx, -1)
     scale = D ** -0.5 if scaling is None else float(scaling)
     q = query.transpose(1, 2).reshape(B * S, N1, D)
