@@ -74,8 +74,9 @@ ALL_PAIRS = [
 ]
 
 
-def _inputs(T, K, H, window, dtype, probs_dtype, index_dtype, seed=0):
-    d = testing.make_moe_inputs(T, K, H, dtype=dtype, probs_dtype=probs_dtype, index_dtype=index_dtype, seed=seed)
+def _inputs(T, K, H, window, dtype, probs_dtype, index_dtype, seed=0, **kw):
+    d = testing.make_moe_inputs(T, K, H, dtype=dtype, probs_dtype=probs_dtype, index_dtype=index_dtype, seed=seed,
+                                **kw)
     si = ref.sorted_indices_from(d["indices"]).to(index_dtype)
     s, e = (0, T * K) if window is None else window
     g = torch.Generator().manual_seed(seed + 1)
@@ -252,6 +253,68 @@ def test_permute_grad_doc_vector():
     tg, pg = triton_impl.permute_grad(ptg, si, ppg, 2, 1, 5)
     assert torch.equal(tg.cpu(), torch.tensor([[1.0, 1.0], [4.0, 4.0], [3.0, 3.0]]))
     assert torch.equal(pg.cpu(), torch.tensor([[0.5, 0.0], [0.4, 0.2], [0.0, 0.4]]))
+
+
+
+# edges CASES leaves out: K = 1 on cut windows, an expert repeated within a token, exact-zero probs, H = 0
+
+EDGE_CASES = [
+    pytest.param(7, 1, 13, (2, 5), 8, id="T7-K1-H13-cut-window"),
+    pytest.param(5, 1, 31, (3, 5), 8, id="T5-K1-H31-tail-window"),
+    pytest.param(5, 1, 31, (2, 2), 8, id="T5-K1-H31-empty-window"),
+    pytest.param(13, 7, 37, (20, 61), 3, id="T13-K7-H37-repeated-experts"),
+    pytest.param(3, 2, 0, (1, 5), 8, id="T3-K2-H0"),
+]
+
+
+@pytest.mark.parametrize("dtype, probs_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float16)],
+                         ids=["f32-f32", "bf16-f16"])
+@pytest.mark.parametrize("T, K, H, window, num_experts", EDGE_CASES)
+def test_edges_all_ops(T, K, H, window, num_experts, dtype, probs_dtype):
+    """Every launcher, with every third prob exactly 0 (unpermute skips the term, unpermute_grad still writes its
+    probs_grad and a zero row), against the float64 reference; the copies bitwise."""
+    a = _inputs(T, K, H, window, dtype, probs_dtype, torch.int32, seed=15, num_experts=num_experts,
+                distinct_experts=False)
+    K, s, e, si = a["K"], a["s"], a["e"], a["si"]
+    probs = a["probs"].clone()
+    probs.view(-1)[::3] = 0
+    up = {k: _up(a[k]).cpu() for k in ("grad", "x")}
+    ptg, pg = triton_impl.unpermute_grad(a["grad"], si, a["x"], probs, K, s, e)
+    ptg_r, pg_r = ref.unpermute_grad(up["grad"], si.cpu(), up["x"], _up(probs).cpu(), K, s, e)
+    testing.assert_close(ptg, ptg_r, dtype=dtype, name="permuted_tokens_grad")
+    testing.assert_close(pg, pg_r, dtype=probs_dtype, name="probs_grad")
+    out = triton_impl.unpermute(a["x"], si, probs, K, s, e)
+    testing.assert_close(out, ref.unpermute(up["x"], si.cpu(), _up(probs).cpu(), K, s, e), dtype=dtype)
+    pt, pp = triton_impl.permute(a["tokens"], si, probs, K, s, e)
+    pt_r, pp_r = ref.permute(a["tokens"].cpu(), si.cpu(), probs.cpu(), K, s, e)
+    assert torch.equal(pt.cpu(), pt_r) and torch.equal(pp.cpu(), pp_r)
+    tg, pg = triton_impl.permute_grad(a["x"], si, a["ppg"], K, s, e)
+    tg_r, pg_r = ref.permute_grad(up["x"], si.cpu(), a["ppg"].cpu(), K, s, e)
+    testing.assert_close(tg, tg_r, dtype=dtype, name="tokens_grad")
+    assert torch.equal(pg.cpu(), pg_r)
+
+
+# float64 beside another dtype: the launchers accumulate in float64 and round once to each output's dtype
+F64_PAIRS = [pytest.param(a, b, id=f"{str(a)[6:]}-{str(b)[6:]}") for a, b in (
+    (torch.float32, F64), (F64, torch.float32), (torch.float16, F64), (F64, torch.float16))]
+
+
+@pytest.mark.parametrize("dtype, probs_dtype", F64_PAIRS)
+def test_float64_mixed_pairs(dtype, probs_dtype):
+    a = _inputs(7, 3, 19, (4, 17), dtype, probs_dtype, torch.int64, seed=16)
+    up = {k: _up(a[k]).cpu() for k in ("grad", "x", "probs")}
+    si = a["si"].cpu()
+    ptg, pg = triton_impl.unpermute_grad(a["grad"], a["si"], a["x"], a["probs"], 3, 4, 17)
+    ptg_r, pg_r = ref.unpermute_grad(up["grad"], si, up["x"], up["probs"], 3, 4, 17)
+    assert ptg.dtype == dtype and pg.dtype == probs_dtype
+    testing.assert_close(ptg, ptg_r, dtype=dtype, name="permuted_tokens_grad")
+    testing.assert_close(pg, pg_r, dtype=probs_dtype, name="probs_grad")
+    out = triton_impl.unpermute(a["x"], a["si"], a["probs"], 3, 4, 17)
+    testing.assert_close(out, ref.unpermute(up["x"], si, up["probs"], 3, 4, 17), dtype=dtype)
+    tg, pg = triton_impl.permute_grad(a["x"], a["si"], a["ppg"], 3, 4, 17)
+    tg_r, pg_r = ref.permute_grad(up["x"], si, a["ppg"].cpu(), 3, 4, 17)
+    testing.assert_close(tg, tg_r, dtype=dtype, name="tokens_grad")
+    assert pg.dtype == probs_dtype and torch.equal(pg.cpu(), pg_r)
 
 
 # determinism
