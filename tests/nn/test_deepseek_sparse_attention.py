@@ -187,3 +187,120 @@ def test_autocast_with_an_fp32_norm_as_on_cuda(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y, info = m(x, [0, 20, 50], return_info=True)
     assert y.dtype == torch.bfloat16 and torch.isfinite(info["indexer_loss"])
+
+
+# a per-token float64 oracle straight from docs/dsa.md, on both CPU paths, float64 and fp32
+
+
+def token_oracle(P, m, x, cu, selection=None):
+    """Per query token in float64 from the parameters ``P``: the indexer scores over the keys ``s <= t`` of the
+    token's sequence, the exact top-k (descending, ties to the smaller position) unless ``selection`` (the layer's
+    ``indices``) is given, each head's softmax over the selected keys, and the indexer loss
+    ``(1 / T) sum_t KL(p_t || softmax(I_t[S_t]))`` with ``p_t`` the head mean, a constant. The indexer reads
+    ``x.detach()`` only when the layer does. Returns ``(y, loss, the selection as lists)``."""
+    N1, N2, Dqk, Dv, Hi, Di = m.num_heads, m.num_kv_heads, m.head_dim, m.v_head_dim, m.index_heads, m.index_head_dim
+    G, theta = N1 // N2, m.rope_theta
+    ys, sels, loss = [], [], x.new_zeros(())
+    for a, b in zip(cu[:-1], cu[1:]):
+        S, xs = b - a, x[a:b]
+        pos = torch.arange(S)
+        q = (xs @ P["q_proj.weight"].T).view(S, N1, Dqk)
+        k, v = (xs @ P["kv_proj.weight"].T).split([N2 * Dqk, N2 * Dv], dim=-1)
+        k, v = k.reshape(S, N2, Dqk), v.reshape(S, N2, Dv)
+        xi = xs.detach() if m.detach_indexer_input else xs
+        qi = (xi @ P["index_q_proj.weight"].T).view(S, Hi, Di) / Di ** 0.5
+        ki = F.layer_norm(xi @ P["index_k_proj.weight"].T, (Di,), P["index_k_norm.weight"], P["index_k_norm.bias"])
+        wi = (xi @ P["index_w_proj.weight"].T) / Hi ** 0.5
+        if theta is not None:
+            q, k, qi = (_rope(t, pos, theta) for t in (q, k, qi))
+            ki = _rope(ki[:, None], pos, theta)[:, 0]
+        for t in range(S):
+            score = torch.stack([(wi[t] * torch.relu(qi[t] @ ki[s])).sum() for s in range(t + 1)])
+            if selection is None:
+                vals = score.tolist()
+                sel = sorted(range(t + 1), key=lambda s: (-vals[s], s))[:m.topk]
+            else:
+                sel = [s for s in selection[a + t].tolist() if s >= 0]
+            sels.append(sel)
+            heads, probs = [], []
+            for h in range(N1):
+                p = torch.softmax(torch.stack([q[t, h] @ k[s, h // G] for s in sel]) * m.scale, 0)
+                heads.append(sum(p[j] * v[s, h // G] for j, s in enumerate(sel)))
+                probs.append(p.detach())
+            ys.append(torch.cat(heads) @ P["o_proj.weight"].T)
+            target = torch.stack(probs).mean(0)
+            loss = loss + (target * (target.log() - torch.log_softmax(score[sel], 0))).sum()
+    return torch.stack(ys), loss / x.shape[0], sels
+
+
+MQA = dict(num_heads=4, num_kv_heads=1, head_dim=8, v_head_dim=6, index_heads=3, index_head_dim=4, rope_theta=100.0)
+GQA = dict(num_heads=6, num_kv_heads=3, head_dim=8, index_heads=2, index_head_dim=6)
+TOKEN_CASES = [  # (cfg, topk, cu_seqlens): empty sequences first, inside and last; sequences shorter than topk
+    pytest.param(MQA, 4, [0, 0, 3, 3, 14, 20, 20], id="mqa-rope-empty-and-short-seqs"),
+    pytest.param(GQA, 5, [0, 9, 9, 21], id="gqa"),
+    pytest.param(GQA, 1, [0, 5, 5, 16], id="gqa-topk1"),
+    pytest.param(MQA, 12, [0, 7, 7, 19], id="mqa-topk-equals-longest"),
+    pytest.param(MQA, 40, [0, 0, 7, 19], id="mqa-topk-above-longest"),
+]
+
+
+@pytest.mark.usefixtures("cpu_paths")
+@pytest.mark.parametrize("detach", [True, False], ids=["detached", "attached"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("cfg, topk, cu", TOKEN_CASES)
+def test_matches_per_token_oracle(cfg, topk, cu, dtype, detach):
+    """y, the indexer loss, x.grad and every parameter's gradient against ``token_oracle`` at the tolerance of the
+    dtype; float64 also checks the selection (the oracle's own top-k), fp32 gives the oracle the layer's
+    selection so that near-ties cannot flip it. With ``detach_indexer_input=False`` the loss reaches x."""
+    torch.manual_seed(0)
+    m = DeepSeekSparseAttention(12, **cfg, topk=topk, detach_indexer_input=detach, dtype=torch.float64)
+    with torch.no_grad():
+        m.index_k_norm.weight.uniform_(0.5, 1.5)
+        m.index_k_norm.bias.normal_(0, 0.1)
+    m = m.to(dtype)
+    g = torch.Generator().manual_seed(1)
+    x64 = torch.randn(cu[-1], 12, generator=g, dtype=torch.float64).to(dtype).double()
+    gy = torch.randn(cu[-1], 12, generator=g, dtype=torch.float64).to(dtype).double()
+    x = x64.to(dtype).clone().requires_grad_()
+    y, info = m(x, torch.tensor(cu, dtype=torch.int32), return_info=True)
+    ((y * gy.to(dtype)).sum() + info["indexer_loss"]).backward()
+    P = {n: p.detach().double().requires_grad_() for n, p in m.named_parameters()}
+    xr = x64.clone().requires_grad_()
+    given = info["indices"] if dtype != torch.float64 else None
+    ry, rloss, sels = token_oracle(P, m, xr, cu, selection=given)
+    ((ry * gy).sum() + rloss).backward()
+    if given is None:
+        assert [[s for s in row if s >= 0] for row in info["indices"].tolist()] == sels
+    assert_close(y, ry, dtype, name="y")
+    assert_close(info["indexer_loss"], rloss, dtype, name="indexer_loss")
+    assert_close(x.grad, xr.grad, dtype, name="dx")
+    for n, p in m.named_parameters():
+        got = torch.zeros_like(p) if p.grad is None else p.grad
+        assert_close(got, torch.zeros_like(P[n]) if P[n].grad is None else P[n].grad, dtype, name=f"d{n}")
+    if topk == 1:  # one key per query: the loss and every indexer gradient exactly 0 (docs/dsa.md)
+        assert info["indexer_loss"].item() == 0
+        assert all(p.grad is None or not p.grad.any() for n, p in m.named_parameters() if n.startswith("index_"))
+
+
+@pytest.mark.usefixtures("cpu_paths")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_ties_select_the_smaller_positions(dtype):
+    """A zero indexer weight makes every visible key score 0: each query selects its first ``min(topk, t + 1)``
+    positions, and the layer still matches the oracle (whose weights' gradient is not 0)."""
+    torch.manual_seed(0)
+    m = DeepSeekSparseAttention(12, **GQA, topk=5, dtype=dtype)
+    torch.nn.init.zeros_(m.index_w_proj.weight)
+    cu = [0, 9, 9, 21]
+    x = torch.randn(21, 12, dtype=dtype, requires_grad=True)
+    y, info = m(x, torch.tensor(cu, dtype=torch.int32), return_info=True)
+    (y.sum() + info["indexer_loss"]).backward()
+    want = [list(range(min(5, t - a + 1))) for a, b in zip(cu[:-1], cu[1:]) for t in range(a, b)]
+    assert [[s for s in row if s >= 0] for row in info["indices"].tolist()] == want
+    P = {n: p.detach().double().requires_grad_() for n, p in m.named_parameters()}
+    xr = x.detach().double().requires_grad_()
+    ry, rloss, _ = token_oracle(P, m, xr, cu, selection=None)
+    (ry.sum() + rloss).backward()
+    assert_close(y, ry, dtype, name="y")
+    assert_close(info["indexer_loss"], rloss, dtype, name="indexer_loss")
+    assert_close(m.index_w_proj.weight.grad, P["index_w_proj.weight"].grad, dtype, name="dindex_w_proj.weight")
+    assert P["index_w_proj.weight"].grad.abs().sum() > 0
