@@ -10,7 +10,8 @@ expected live slots per token (``K * R / N``), so on an EP rank's window the reg
 to rows that exist rather than to masked lanes; a token with more live slots runs more ``BLOCK_J`` groups, and
 a token with none reads nothing.
 
-Math is in ``ACC`` (fp32, or fp64 for fp64 inputs); each output element is rounded once on store. Addresses
+Math is in ``ACC`` (fp32, or fp64 for fp64 inputs); each output element is rounded once on store, a bf16 one
+from fp64 through fp32 (``_narrow``), as torch rounds it. Addresses
 are int64: ``T*K*H`` exceeds 2**31 at real sizes. ``H`` and ``K`` are compile-time constants: they are fixed
 per model (a handful of compilations), and the Triton interpreter under numpy >= 2.4 cannot run a ``range``
 whose bound is a runtime argument.
@@ -33,6 +34,15 @@ def _live_slots(p_si, i_t, k0, s, e, K: tl.constexpr, BLOCK_K: tl.constexpr):
     b_rank = tl.cumsum(m_live.to(tl.int32), axis=0) - 1
     n_live = tl.sum(m_live.to(tl.int32), axis=0)
     return o_k, m_k, m_live, b_row, b_rank, n_live
+
+
+@triton.jit
+def _narrow(b_x, p_out):
+    """``b_x`` in ``p_out``'s element type. To bf16 through fp32: what torch's fp64 -> bf16 cast does, and the
+    Triton interpreter's direct fp64 -> bf16 cast returns garbage (zeros, denormals, NaN)."""
+    if p_out.dtype.element_ty == tl.bfloat16:
+        return b_x.to(tl.float32).to(tl.bfloat16)
+    return b_x.to(p_out.dtype.element_ty)
 
 
 @triton.jit
@@ -92,7 +102,7 @@ def moe_unpermute_grad_kernel(
                         b_dot_j += tl.sum(b_x * b_gf[None, :], axis=1)
                         # [BLOCK_J, BLOCK_H]
                         b_out = b_gf[None, :] * b_p_j[:, None]
-                        tl.store(p_ptg + o_rows, b_out.to(p_ptg.dtype.element_ty), mask=m_jh)
+                        tl.store(p_ptg + o_rows, _narrow(b_out, p_ptg), mask=m_jh)
                     else:
                         # [BLOCK_J, BLOCK_H] an exact copy: no arithmetic on the values
                         b_out = tl.broadcast_to(b_g[None, :], (BLOCK_J, BLOCK_H))
@@ -100,7 +110,7 @@ def moe_unpermute_grad_kernel(
                 # back to slot order: each live slot picks its one dot (exact, a single nonzero term)
                 b_dot += tl.sum(tl.where(m_sel, b_dot_j[None, :], 0), axis=1)
         if HAS_PROBS:
-            tl.store(p_pg + i_t * K + o_k, b_dot.to(p_pg.dtype.element_ty), mask=m_k)
+            tl.store(p_pg + i_t * K + o_k, _narrow(b_dot, p_pg), mask=m_k)
 
 
 @triton.jit
@@ -138,7 +148,7 @@ def moe_unpermute_kernel(
                 o_k, m_k, m_live, b_row, b_rank, n_live = _live_slots(p_si, i_t, k0, s, e, K, BLOCK_K)
                 # [BLOCK_K]
                 b_pg = tl.load(p_ppg + b_row, mask=m_live, other=0)
-                tl.store(p_pg + i_t * K + o_k, b_pg.to(p_pg.dtype.element_ty), mask=m_k)
+                tl.store(p_pg + i_t * K + o_k, _narrow(b_pg, p_pg), mask=m_k)
     # [BLOCK_H]
     b_acc = tl.zeros([BLOCK_H], dtype=ACC)
     for k0 in range(0, K, BLOCK_K):
@@ -165,7 +175,7 @@ def moe_unpermute_kernel(
                         b_acc += tl.where(m_j, b_pj * b_x, 0)
                     else:
                         b_acc += b_x
-    tl.store(p_out + i_t * H + o_hh, b_acc.to(p_out.dtype.element_ty), mask=m_h)
+    tl.store(p_out + i_t * H + o_hh, _narrow(b_acc, p_out), mask=m_h)
 
 
 @triton.jit
