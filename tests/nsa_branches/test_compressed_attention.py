@@ -21,9 +21,10 @@ CASES = [
 
 @pytest.fixture(autouse=True, params=["cpu-kernels", "chunks"])
 def _paths(request, nan_uninitialised):
-    """Every test twice: the C++ range kernels where they apply (G filling a vector: the G8 / G16 cases in
-    float64) and the chunked torch path."""
-    with chunked_attention.SETTINGS.override(cpu_kernels=request.param == "cpu-kernels"):
+    """Every test twice: the C++ range kernels wherever they build, any G (the cost model's kernel cost set to 0),
+    and the chunked torch path (the kernels off)."""
+    knob = {"kernel_pair_ns": 0.0} if request.param == "cpu-kernels" else {"cpu_kernels": False}
+    with chunked_attention.SETTINGS.override(**knob):
         yield
 
 
@@ -94,7 +95,7 @@ def _gradients_against_reference(cu, N1, N2, l, d, dtype, monkeypatch, chunk_byt
     q, kc, vc = (torch.stack((t, torch.zeros_like(t)), -1).flatten(-2).to(dtype)[..., ::2].detach().requires_grad_()
                  for t in (q, kc, vc))
     assert not (q.is_contiguous() or kc.is_contiguous() or vc.is_contiguous())
-    kernels = chunked_attention.SETTINGS.get().cpu_kernels and N1 // N2 >= 16 and _cpu_attention.available(q)
+    kernels = chunked_attention.SETTINGS.get().cpu_kernels and _cpu_attention.available(q)
     with chunked_attention.SETTINGS.override(chunk_bytes=chunk_bytes):
         o, lse = compressed_attention(q, kc, vc, cu, cu_cmp, l, d)
         do = torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
@@ -112,8 +113,8 @@ def _gradients_against_reference(cu, N1, N2, l, d, dtype, monkeypatch, chunk_byt
 
 @pytest.mark.parametrize("N1, N2", [(16, 1), (4, 2)], ids=["G16", "G2"])
 def test_float32_gradients(N1, N2, monkeypatch):
-    """fp32 on both CPU paths (G = 16: the C++ kernels under the cpu-kernels parameter; G = 2, and G = 16 under
-    the chunks parameter: chunks of one token): an empty sequence, one shorter than a block (l = 8), one longer."""
+    """fp32 on both CPU paths (the C++ kernels at G = 16, a full vector of query heads, and G = 2; the chunks of
+    one token): an empty sequence, one shorter than a block (l = 8), one longer."""
     _gradients_against_reference([0, 0, 5, 70], N1, N2, 8, 4, torch.float32, monkeypatch, chunk_bytes=1)
 
 

@@ -23,9 +23,10 @@ CASES = [
 
 @pytest.fixture(autouse=True, params=["cpu-kernels", "chunks"])
 def _paths(request, nan_uninitialised):
-    """Every test twice: the C++ range kernels where they apply (G filling a vector: the G8 / G16 cases in
-    float64) and the chunked torch path."""
-    with chunked_attention.SETTINGS.override(cpu_kernels=request.param == "cpu-kernels"):
+    """Every test twice: the C++ range kernels wherever they build, any G (the cost model's kernel cost set to 0),
+    and the chunked torch path (the kernels off)."""
+    knob = {"kernel_pair_ns": 0.0} if request.param == "cpu-kernels" else {"cpu_kernels": False}
+    with chunked_attention.SETTINGS.override(**knob):
         yield
 
 
@@ -102,7 +103,7 @@ def _gradients_against_reference(cu, N1, N2, Dqk, Dv, w, dtype, monkeypatch, row
         monkeypatch.setattr(_cpu_attention, fn, lambda *a, _real=real, _fn=fn: calls.append(_fn) or _real(*a))
     q, k, v = _strided(cu, N1, N2, Dqk, Dv, dtype)
     assert not q.is_contiguous() and not k.is_contiguous() and not v.is_contiguous()
-    kernels = chunked_attention.SETTINGS.get().cpu_kernels and N1 // N2 >= 16 and _cpu_attention.available(q)
+    kernels = chunked_attention.SETTINGS.get().cpu_kernels and _cpu_attention.available(q)
     with chunked_attention.SETTINGS.override(window_rows=rows):
         o = sliding_window_attention(q, k, v, cu, w)
         do = torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
@@ -119,8 +120,8 @@ def _gradients_against_reference(cu, N1, N2, Dqk, Dv, w, dtype, monkeypatch, row
 
 @pytest.mark.parametrize("N1, N2", [(16, 1), (4, 2)], ids=["G16", "G2"])
 def test_float32_gradients(N1, N2, monkeypatch):
-    """fp32 o, dq, dk, dv on both CPU paths (G = 16: the C++ kernels under the cpu-kernels parameter; G = 2, and
-    G = 16 under the chunks parameter: chunks of 2 tokens), non-contiguous inputs: an empty sequence, one shorter
+    """fp32 o, dq, dk, dv on both CPU paths (the C++ kernels at G = 16, a full vector of query heads, and G = 2; the
+    chunks of 2 tokens), non-contiguous inputs: an empty sequence, one shorter
     than the window, one longer."""
     _gradients_against_reference([0, 0, 3, 47], N1, N2, 16, 8, 9, torch.float32, monkeypatch, rows=2)
 
@@ -132,6 +133,26 @@ def test_half_gradients(dtype, N1, N2, monkeypatch):
     positions see fewer). Where a query sees 1-3 keys bf16 dq can pass the tolerance: delta = rowsum(dO * O) uses
     the bf16-rounded O, as flash-attention 2 and CANN's grad op (which takes attention_out) do."""
     _gradients_against_reference([0, 0, 40, 96], N1, N2, 16, 16, 16, dtype, monkeypatch, rows=16)
+
+
+def _route_of(N1, cu, w, D):
+    q = torch.zeros(cu[-1], N1, D)
+    k = v = torch.zeros(cu[-1], 1, D)
+    return chunked_attention._route(q, k, v, cu, cu, 0, 0, w)[0]
+
+
+def test_route_by_cost():
+    """The default cost model: a full vector of query heads always takes the kernels; below it, many short
+    sequences or a small window take the kernels (the chunks pay per chunk, at least one per sequence, and a window
+    chunk computes ``rows + w - 1`` keys for ``w``), one long sequence with a wide window the chunks."""
+    if not _cpu_attention.available(torch.zeros(1, 1, 1)):
+        pytest.skip("the C++ kernels do not build here")
+    defaults = {f: getattr(chunked_attention.ChunkSettings(), f) for f in ("cpu_kernels", "kernel_pair_ns")}
+    with chunked_attention.SETTINGS.override(**defaults):
+        assert _route_of(16, [0, 4096], 512, 64) == "ranges"
+        assert _route_of(4, list(range(0, 4097, 2)), 512, 64) == "ranges"
+        assert _route_of(4, [0, 4096], 32, 32) == "ranges"
+        assert _route_of(1, [0, 4096], 512, 64) == "chunks"
 
 
 def test_gradcheck():

@@ -35,9 +35,19 @@ class ChunkSettings:
     #: tokens still make 1024-row matmuls and waste 12 % of the keys instead of 50 %
     window_matrix_rows: int = 1024
     #: on the CPU, the C++ attention kernels in range mode (``sparseops._cpu_attention``: each
-    #: token's contiguous keys read in place, its query heads in vector lanes) where they build and the query
-    #: heads per KV head fill a vector (16 fp32, 8 float64); the chunks otherwise
+    #: token's contiguous keys read in place, its query heads in vector lanes) where they build and either the
+    #: query heads per KV head fill a vector (16 fp32, 8 float64) or the cost model below expects them to be
+    #: faster than the chunks; the chunks otherwise
     cpu_kernels: bool = True
+    #: the cost model (docs/perf.md, "Window and compressed branches: kernels or chunks"), in ns on one thread:
+    #: a kernel (token, key, KV head) triple per element of ``Dqk + Dv`` (forward and backward; about constant
+    #: below a vector of query heads, whose lanes then idle)
+    kernel_pair_ns: float = 1.5
+    #: a chunk's score entry (query head x key row it computes, the masked ones included) per element of
+    #: ``Dqk + Dv`` (matmuls, forward and backward)
+    chunk_entry_ns: float = 0.2
+    #: a chunk's fixed cost (its Python, small tensors and calls, forward and backward)
+    chunk_call_ns: float = 200_000.0
 
 
 SETTINGS = Settings(ChunkSettings())
@@ -197,8 +207,25 @@ def _plan(q, k, cu, cu_k, l, d, window):
     return compressed_chunks(cu, cu_k, l, d, q.shape[1], elt), d, None
 
 
-def _cpu_ranges(q, k):
-    return SETTINGS.get().cpu_kernels and cpu_attention.fills_lanes(q, k) and cpu_attention.available(q)
+def _route(q, k, v, cu, cu_k, l, d, window):
+    """``("ranges", lo, hi)``: the C++ kernels over each token's key rows, or ``("chunks", chunks, kstep, span)``.
+    Below a vector of query heads per KV head the kernels' lanes idle, while the chunks pay a fixed cost per chunk
+    (at least one per sequence) and compute masked keys (a window chunk ``rows + w - 1`` keys for ``w`` useful):
+    the cheaper by :class:`ChunkSettings`' cost model runs (many short sequences, small windows: the kernels)."""
+    cfg = SETTINGS.get()
+    kernels = cfg.cpu_kernels and cpu_attention.available(q)
+    if kernels and cpu_attention.fills_lanes(q, k):
+        return ("ranges", *key_ranges(cu, cu_k, l, d, window))
+    chunks, kstep, span = _plan(q, k, cu, cu_k, l, d, window)
+    if kernels and chunks:
+        lo, hi = key_ranges(cu, cu_k, l, d, window)
+        width = q.shape[2] + v.shape[2]
+        chunk_ns = sum(
+            cfg.chunk_call_ns + (c[1] - c[0]) * (c[3] - c[2]) * q.shape[1] * width * cfg.chunk_entry_ns
+            for c in chunks)
+        if int((hi - lo).sum()) * k.shape[1] * width * cfg.kernel_pair_ns < chunk_ns:
+            return "ranges", lo, hi
+    return "chunks", chunks, kstep, span
 
 
 def key_ranges(cu: list[int], cu_k: list[int], l: int, d: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,10 +246,10 @@ def key_ranges(cu: list[int], cu_k: list[int], l: int, d: int, window: int) -> t
 @without_autocast
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], cu_k: list[int], l: int, d: int,
             window: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    if _cpu_ranges(q, k):
-        return cpu_attention.forward_ranges(q, k, v, *key_ranges(cu, cu_k, l, d, window), scale)
-    chunks, kstep, span = _plan(q, k, cu, cu_k, l, d, window)
-    return attention_forward(q, k, v, chunks, kstep, span, scale)
+    path, *plan = _route(q, k, v, cu, cu_k, l, d, window)
+    if path == "ranges":
+        return cpu_attention.forward_ranges(q, k, v, *plan, scale)
+    return attention_forward(q, k, v, *plan, scale)
 
 
 @_fwd_op.register_fake
@@ -235,10 +262,10 @@ def _(q, k, v, cu, cu_k, l, d, window, scale):
 def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
             cu: list[int], cu_k: list[int], l: int, d: int, window: int,
             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if _cpu_ranges(q, k):
-        return cpu_attention.backward_ranges(q, k, v, o, lse, do, *key_ranges(cu, cu_k, l, d, window), scale)
-    chunks, kstep, span = _plan(q, k, cu, cu_k, l, d, window)
-    return attention_backward(q, k, v, o, lse, do, chunks, kstep, span, scale)
+    path, *plan = _route(q, k, v, cu, cu_k, l, d, window)
+    if path == "ranges":
+        return cpu_attention.backward_ranges(q, k, v, o, lse, do, *plan, scale)
+    return attention_backward(q, k, v, o, lse, do, *plan, scale)
 
 
 @_bwd_op.register_fake
