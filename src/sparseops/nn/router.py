@@ -31,6 +31,20 @@ class RouterOutput(NamedTuple):
     tokens_per_expert: torch.Tensor  #: `[E]` int64, this rank's routed slots (before any capacity drop)
 
 
+@torch._disable_dynamo  # an eager island where torch.compile breaks anyway (bincount's shape depends on the data)
+def routed_counts(indices: torch.Tensor, num_experts: int, into: torch.Tensor | None) -> torch.Tensor:
+    """``[E]`` int64 routed slots of ``indices``, also added to ``into`` (None: nowhere) unless this forward runs
+    inside a backward: activation checkpointing's recompute (``torch.utils.checkpoint`` either mode,
+    ``checkpoint_wrapper``, the composable ``checkpoint``, around an eager or a compiled module) routes the same
+    tokens again, which the first forward already counted. Eager also under ``torch.compile``, so a compiled
+    forward replayed by that recompute takes the same test instead of a buffer update baked into its graph."""
+    counts = torch.bincount(indices.flatten(), minlength=num_experts)
+    if into is not None and torch._C._current_graph_task_id() == -1:
+        with torch.no_grad():
+            into += counts
+    return counts
+
+
 def router_dtype(dtype: torch.dtype) -> torch.dtype:
     """The router's compute dtype for inputs of ``dtype``: float64 stays float64, everything else runs in fp32."""
     return acc_dtype(dtype)
@@ -167,10 +181,7 @@ class TopKRouter(nn.Module):
             probs = probs / probs.sum(-1, keepdim=True)
         if self.scaling_factor != 1.0:
             probs = probs * self.scaling_factor
-        counts = torch.bincount(indices.flatten(), minlength=self.num_experts)
-        if self.training and self.local_tokens_per_expert is not None:
-            with torch.no_grad():
-                self.local_tokens_per_expert += counts
+        counts = routed_counts(indices, self.num_experts, self.local_tokens_per_expert if self.training else None)
         return logits, scores, indices, probs, counts
 
     # -- losses over the group ----------------------------------------------------------------------------------
