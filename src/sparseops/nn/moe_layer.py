@@ -170,6 +170,10 @@ class MoELayer(ExpertParallelModule):
                                      f"{self.ep_rank} and {b} on rank {q}")
         self._group_checked = True
 
+    # eager inside torch.compile (one graph break per call): traced, the frames after the host sync specialise on
+    # the per-expert counts (a recompile per step) and, under expert parallelism, dynamo fails on the dispatch
+    # sizes (docs/training.md, "Activation checkpointing and torch.compile")
+    @torch._disable_dynamo
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
         """Route, dispatch, combine. ``x [T, H]`` or ``[..., H]`` -> ``(y like x, MoEAux)``; see the class."""
         x2 = self.router.check_input(x)
