@@ -31,6 +31,13 @@ class RouterOutput(NamedTuple):
     tokens_per_expert: torch.Tensor  #: `[E]` int64, this rank's routed slots (before any capacity drop)
 
 
+def _in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (torch's private graph-task id; False where a torch
+    lacks it, where the recompute then counts again)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
 @torch._disable_dynamo  # an eager island where torch.compile breaks anyway (bincount's shape depends on the data)
 def routed_counts(indices: torch.Tensor, num_experts: int, into: torch.Tensor | None) -> torch.Tensor:
     """``[E]`` int64 routed slots of ``indices``, also added to ``into`` (None: nowhere) unless this forward runs
@@ -39,7 +46,7 @@ def routed_counts(indices: torch.Tensor, num_experts: int, into: torch.Tensor | 
     tokens again, which the first forward already counted. Eager also under ``torch.compile``, so a compiled
     forward replayed by that recompute takes the same test instead of a buffer update baked into its graph."""
     counts = torch.bincount(indices.flatten(), minlength=num_experts)
-    if into is not None and torch._C._current_graph_task_id() == -1:
+    if into is not None and not _in_backward():
         with torch.no_grad():
             into += counts
     return counts
