@@ -125,3 +125,62 @@ def test_bad_input():
         r(torch.randn(3, 4), group="world")
     with pytest.raises(TypeError, match="aux: expected a bool"):
         r(torch.randn(3, 4), aux="no")
+
+
+def _sort_select(r, scores):
+    """The choice's definition (docs/moe-layer.md): the first K of stable descending sorts of groups and keys."""
+    key = scores + r.expert_bias.to(scores.dtype) if r.expert_bias is not None else scores
+    T, E = key.shape
+    if r.num_groups is not None and r.group_topk < r.num_groups:
+        G = r.num_groups
+        gkey = key.view(T, G, E // G).topk(min(2, E // G), dim=-1).values.sum(-1)
+        gbest = torch.sort(gkey, dim=-1, descending=True, stable=True).indices[:, :r.group_topk]
+        eligible = torch.zeros(T, G, dtype=torch.bool).scatter_(1, gbest, True)
+        key = key.masked_fill(~eligible.repeat_interleave(E // G, dim=1), -math.inf)
+    return torch.sort(key, dim=-1, descending=True, stable=True).indices[:, :r.top_k]
+
+
+@pytest.mark.parametrize("E, K, kw", [
+    (6, 1, {}), (6, 6, {}), (24, 5, {}), (256, 8, {}), (40, 3, {"expert_bias": True}),
+    (24, 4, {"num_groups": 6, "group_topk": 2}), (24, 8, {"num_groups": 6, "group_topk": 2}),
+    (30, 2, {"num_groups": 5, "group_topk": 3, "expert_bias": True}), (12, 1, {"num_groups": 12, "group_topk": 1}),
+    (256, 8, {"num_groups": 8, "group_topk": 4, "expert_bias": True}),
+], ids=lambda v: str(v) if not isinstance(v, dict) else "-".join(v) or "plain")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_select_equals_the_stable_sort_on_ties(E, K, kw, dtype):
+    # scores on a coarse grid (many exact ties within rows and between group sums), the bias on the same grid
+    r = TopKRouter(4, E, K, dtype=dtype, **kw)
+    g = torch.Generator().manual_seed(E * 31 + K)
+    if r.expert_bias is not None:
+        r.expert_bias.copy_(torch.randint(-2, 3, (E,), generator=g) / 8)
+    for levels in (2, 5, 64):
+        scores = (torch.randint(0, levels, (50, E), generator=g) / levels).to(dtype)
+        scores[:3] = 0.25  # rows that are one tie
+        got = r.select(scores)
+        assert got.dtype == torch.int64 and torch.equal(got, _sort_select(r, scores))
+
+
+def test_stable_topk_on_nan_inf_and_signed_zeros():
+    from sparseops._topk import stable_topk
+
+    nan, inf = math.nan, math.inf
+    vals = torch.tensor([nan, -nan, inf, -inf, 0.0, -0.0, 1.0, 0.5])
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        x = vals[torch.randint(0, len(vals), (400, 13), generator=g)].to(dtype)
+        x[0] = nan
+        x[1] = -inf
+        for k in (1, 2, 5, 13):
+            want = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
+            assert torch.equal(stable_topk(x, k), want), (dtype, k)
+    assert stable_topk(torch.empty(0, 7), 3).shape == (0, 3)
+
+
+def test_select_compiles_to_one_graph():
+    r = TopKRouter(4, 24, 4, num_groups=6, group_topk=3, expert_bias=True)
+    r.expert_bias.copy_(torch.arange(24) % 3 / 8)
+    scores = torch.randint(0, 4, (33, 24), generator=torch.Generator().manual_seed(1)) / 4
+    torch._dynamo.reset()
+    got = torch.compile(r.select, fullgraph=True, backend="aot_eager")(scores)  # fullgraph: no host sync
+    torch._dynamo.reset()
+    assert torch.equal(got, _sort_select(r, scores))

@@ -15,6 +15,7 @@ from torch import nn
 
 from .._checks import check_bool, check_float, check_has_data, check_int, check_param_dtype
 from .._numerics import acc_dtype, autocast_off
+from .._topk import stable_topk
 from .stats import gather_stats
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -162,7 +163,10 @@ class TopKRouter(nn.Module):
         return x.reshape(-1, self.hidden_size)
 
     def select(self, scores: torch.Tensor) -> torch.Tensor:
-        """`[T, K]` int64 expert ids from `[T, E]` scores: bias-steered, group-limited, ties to the lower id."""
+        """`[T, K]` int64 expert ids from `[T, E]` scores: bias-steered, group-limited, ties to the lower id.
+
+        Bitwise the first K of a stable descending sort of the key (NaN first, as the sort puts it), found in
+        O(T E) by :func:`sparseops._topk.stable_topk` without a host synchronisation."""
         key = scores.detach()
         if self.expert_bias is not None:
             key = key + self.expert_bias.to(key.dtype)
@@ -171,10 +175,10 @@ class TopKRouter(nn.Module):
             G = self.num_groups
             per = key.view(T, G, E // G)
             gkey = per.topk(min(2, E // G), dim=-1).values.sum(-1)  # [T, G]; sums are order-free here
-            gbest = torch.sort(gkey, dim=-1, descending=True, stable=True).indices[:, :self.group_topk]
+            gbest = stable_topk(gkey, self.group_topk)
             eligible = torch.zeros(T, G, dtype=torch.bool, device=key.device).scatter_(1, gbest, True)
-            key = key.masked_fill(~eligible.repeat_interleave(E // G, dim=1), -math.inf)
-        return torch.sort(key, dim=-1, descending=True, stable=True).indices[:, :self.top_k]
+            key = per.masked_fill(~eligible.unsqueeze(-1), -math.inf).view(T, E)
+        return stable_topk(key, self.top_k)
 
     def route(self, x2: torch.Tensor):
         """Local routing of `[T, H]` tokens: ``(logits, scores, indices int64, probs, tokens_per_expert)``."""
