@@ -6,6 +6,7 @@ import torch
 
 from .. import _checks
 from .._numerics import exp_floor, without_autocast
+from .._topk import stable_topk
 from . import chunked_attention as _ca
 from .checks import stats_dtype
 from .compressed_attention import check_cmp_args
@@ -135,7 +136,8 @@ def _select(q, k_cmp, lse, cu, cu_cmp, l, d, lb, n, init, local, scale):
             cand = blk[None, :] <= cur
             forced = cand & ((blk[None, :] < init) | (blk[None, :] > cur - local))
             S = S.masked_fill(forced[:, None, :], float("inf")).masked_fill(~cand[:, None, :], float("-inf"))
-            order = torch.sort(S, dim=-1, descending=True, stable=True).indices[..., :n]
+            # the first n of a stable descending sort (ties to the lower block), without sorting every block
+            order = stable_topk(S.reshape(-1, nsel), min(n, nsel)).view(tq, n2, -1)
             ids = torch.where(cand.sum(1)[:, None, None] > torch.arange(order.shape[-1], device=dev), order, nsel)
             ids = ids.sort(-1).values
             ids = torch.where(ids == nsel, -1, ids).to(torch.int32)
