@@ -97,29 +97,40 @@ def test_float64_against_oracle(cfg):
         assert_close(a, e, name=f"d{name}")
 
 
+def _rounded(kwargs, cu, dtype):
+    """``(m, x, y_ref, topk_ref, m32, x32)``: the float64 module and input holding values rounded to ``dtype``, the
+    oracle's output and selection on them, and fp32 copies of the module and the input."""
+    m = _module(kwargs)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(p.to(dtype))
+    x = _x(cu[-1]).detach().to(dtype).double().requires_grad_()
+    y_ref, topk_ref = oracle(m, x, cu)
+    return m, x, y_ref, topk_ref, copy.deepcopy(m).float(), x.detach().float().requires_grad_()
+
+
+def _check_fp32_gradients(y, y_ref, m, x, m32, x32, tolerance_dtype):
+    """x's and every parameter's gradient of the fp32 copies (in fp32) against the oracle's, within
+    ``tolerance_dtype``'s tolerance."""
+    dy = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    got = torch.autograd.grad(y, [x32, *m32.parameters()], dy.to(y.dtype))
+    want = torch.autograd.grad(y_ref, [x, *m.parameters()], dy)
+    for name, a, e in zip(["x", *(n for n, _ in m.named_parameters())], got, want):
+        assert a.dtype == torch.float32, name
+        assert_close(a, e, dtype=tolerance_dtype, name=f"d{name}")
+
+
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
 def test_fp32_against_oracle(cfg):
     """An fp32 module (G = 16: the branches' C++ kernels) against the float64 oracle on the same values: the
     selection, y, and x's and every parameter's gradient within the fp32 tolerance."""
     _, kwargs, cu = cfg
-    m = _module(kwargs)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(p.float())
-    x = _x(cu[-1]).detach().float().double().requires_grad_()
-    y_ref, topk_ref = oracle(m, x, cu)
-    m32 = copy.deepcopy(m).float()
-    x32 = x.detach().float().requires_grad_()
+    m, x, y_ref, topk_ref, m32, x32 = _rounded(kwargs, cu, torch.float32)
     y, info = m32(x32, torch.tensor(cu, dtype=torch.int32), return_info=True)
     assert y.dtype == torch.float32
     assert torch.equal(info["topk_indices"], topk_ref)
     assert_close(y, y_ref, name="y")
-    dy = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    got = torch.autograd.grad(y, [x32, *m32.parameters()], dy.float())
-    want = torch.autograd.grad(y_ref, [x, *m.parameters()], dy)
-    for name, a, e in zip(["x", *(n for n, _ in m.named_parameters())], got, want):
-        assert a.dtype == torch.float32, name
-        assert_close(a, e, name=f"d{name}")
+    _check_fp32_gradients(y, y_ref, m, x, m32, x32, torch.float32)
 
 
 @pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[3]], ids=[CONFIGS[0][0], CONFIGS[3][0]])
@@ -251,14 +262,8 @@ def test_bf16_autocast_against_oracle():
     outputs and y in bf16), the oracle's selection, y and every gradient (in fp32, the parameters' dtype) within
     the bf16 tolerance of the float64 oracle on the bf16 values of x and the parameters."""
     _, kwargs, cu = CONFIGS[3]
-    m = _module(kwargs)  # the oracle's inputs: what autocast computes from, x and the parameters rounded to bf16
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(p.bfloat16())
-    x = _x(cu[-1]).detach().bfloat16().double().requires_grad_()
-    y_ref, topk_ref = oracle(m, x, cu)
-    m32 = copy.deepcopy(m).float()
-    x32 = x.detach().float().requires_grad_()
+    # the oracle's inputs: what autocast computes from, x and the parameters rounded to bf16
+    m, x, y_ref, topk_ref, m32, x32 = _rounded(kwargs, cu, torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y, info = m32(x32, torch.tensor(cu, dtype=torch.int32), return_info=True)
     assert y.dtype == info["o_slc"].dtype == torch.bfloat16
@@ -267,9 +272,4 @@ def test_bf16_autocast_against_oracle():
     # scores, the branches' accumulation)
     assert torch.equal(y, copy.deepcopy(m).bfloat16()(x.detach().bfloat16(), torch.tensor(cu, dtype=torch.int32)))
     assert_close(y, y_ref, dtype=torch.bfloat16, name="y")
-    dy = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    got = torch.autograd.grad(y, [x32, *m32.parameters()], dy.to(y.dtype))
-    want = torch.autograd.grad(y_ref, [x, *m.parameters()], dy)
-    for name, a, e in zip(["x", *(n for n, _ in m.named_parameters())], got, want):
-        assert a.dtype == torch.float32, name
-        assert_close(a, e, dtype=torch.bfloat16, name=f"d{name}")
+    _check_fp32_gradients(y, y_ref, m, x, m32, x32, torch.bfloat16)
