@@ -25,7 +25,52 @@ def _rows(n: int, rank: int, dt: torch.dtype) -> torch.Tensor:
 
 
 def _worker(rank, ws, size_sets):
-    return [_one(rank, ws, list(sizes)) for sizes in size_sets] + [torch.get_num_threads()]
+    return [_one(rank, ws, list(sizes)) for sizes in size_sets] + [_disagree(rank, ws), torch.get_num_threads()]
+
+
+def _disagree(rank, ws):
+    """Under TORCH_DISTRIBUTED_DEBUG=DETAIL, ranks that disagree on sizes or shapes all raise ``ValueError``
+    (off, the same calls hang, abort gloo, or return rows nobody sent); calls that agree give what they give off."""
+    import torch.distributed as dist
+
+    from sparseops.distributed import collectives
+
+    out = {"off": collectives.checking()}
+    level = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    try:
+        out["on"] = collectives.checking()
+        n = 2 + rank
+        sizes = [2 + q for q in range(ws)]
+        other = list(sizes)
+        other[(rank + 1) % ws] += rank == 0  # rank 0 counts one row more for its right neighbour
+        send = [1] * ws
+        recv = [1 + (rank == 1 and q == 0) for q in range(ws)]  # rank 1 expects 2 rows from rank 0, gets 1
+        cases = {
+            "all_gather": lambda: all_gather(torch.ones(n, 3), None, other),
+            "gather_rows": lambda: gather_rows(torch.ones(n, 3), None, other),
+            "all_to_all": lambda: all_to_all(torch.ones(ws, 3), recv, send),
+            "reduce_scatter": lambda: reduce_scatter(torch.ones(ws, 3 + (rank == 2)), None),
+            "reduce_scatter-rows": lambda: reduce_scatter(torch.ones(sum(sizes) + ws * (rank == 1), 3), None,
+                                                          [s + (rank == 1) for s in sizes]),
+            "split_rows": lambda: split_rows(torch.ones(ws + (rank == 0), 3), None,
+                                             [1 + (rank == 0 and q == 0) for q in range(ws)]),
+        }
+        for name, call in cases.items():
+            try:
+                call()
+                out[name] = "no error"
+            except ValueError as exc:
+                out[name] = str(exc)
+        # calls that agree run as they do off
+        out["ok"] = [all_gather(torch.full((n, 2), float(rank)), None, sizes).sum().item(),
+                     all_to_all(torch.full((ws, 2), float(rank)), [1] * ws, [1] * ws).sum().item(),
+                     reduce_scatter(torch.ones(sum(sizes), 2), None, sizes).sum().item(),
+                     split_rows(torch.ones(ws, 2), None).sum().item(),
+                     gather_rows(torch.ones(n, 2), None, sizes).sum().item()]
+    finally:
+        dist.set_debug_level(level)
+    return out
 
 
 def _one(rank, ws, sizes):
@@ -97,6 +142,17 @@ def test_collectives_uneven():
     assert [r[-1] for r in res] == [1, 1, 1]  # spawn's workers run one thread
     for i, sizes in enumerate(SIZE_SETS):
         _check([r[i] for r in res], list(sizes))
+    ws, total = 3, 2 + 3 + 4
+    for rank, out in enumerate(r[len(SIZE_SETS)] for r in res):
+        assert not out["off"] and out["on"], rank
+        assert out["all_gather"].startswith("sizes: expected the same list on every rank"), out
+        assert out["gather_rows"].startswith("sizes: expected the same list on every rank"), out
+        assert out["all_to_all"] == ("output_split_sizes: expected rank 1's output_split_sizes[0] to equal what "
+                                     "rank 0 sends it (1), got 2"), out
+        for name in ("reduce_scatter", "reduce_scatter-rows", "split_rows"):
+            assert out[name].startswith("x: expected the same dtype and shape on every rank"), (name, out)
+        assert out["ok"] == [2 * sum(q * (2 + q) for q in range(ws)), 2 * sum(range(ws)), 2 * ws * (2 + rank),
+                             2.0, 2 * total], (rank, out["ok"])
 
 
 def _check(res, sizes):

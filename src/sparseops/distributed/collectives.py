@@ -14,8 +14,9 @@
 
 Everything is built on ``all_to_all_single``, which every c10d backend implements with uneven splits
 (gloo has no uneven all-gather). Sums run locally in rank order in fp32 (float64 stays float64) and are
-rounded once, so a reduce-scatter is bitwise the same on every backend and every run. Pictures and traffic:
-docs/moe-layer.md.
+rounded once, so a reduce-scatter is bitwise the same on every backend and every run. Under torch's
+``TORCH_DISTRIBUTED_DEBUG=DETAIL`` each call first checks that the ranks agree on the sizes and shapes
+(:func:`checking`). Pictures and traffic: docs/moe-layer.md.
 """
 
 from __future__ import annotations
@@ -103,6 +104,47 @@ def _exchange_sizes(x: torch.Tensor, group: Group) -> list[int]:
     return [row[0] for row in rows]
 
 
+def checking() -> bool:
+    """Whether the collectives check that the ranks agree before they exchange rows: torch's own switch for
+    collective checks, ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (``torch.distributed.get_debug_level()``). Off, sizes
+    that disagree across ranks are the caller's contract: all_to_all_single then hangs, aborts or leaves rows
+    unwritten, depending on the backend."""
+    return dist.is_available() and dist.get_debug_level() == dist.DebugLevel.DETAIL
+
+
+def _agree(x: torch.Tensor, group: Group, name: str, sizes: list[int], peer: Sequence[int] | None = None,
+           whole_shape: bool = False) -> None:
+    """Under :func:`checking`, one small all-gather of every rank's ``sizes`` (and ``peer``, the split sizes it
+    must match), x's dtype and trailing dims (all dims when ``whole_shape``); every rank raises the same
+    ``ValueError`` where they disagree: ``sizes`` equal everywhere, or, with ``peer`` (an all-to-all),
+    ``sizes[q]`` on rank r equal to ``peer[r]`` on rank q."""
+    if not checking():
+        return
+    ws, rank = group_size_rank(group)
+    sig = _signature(x) + ([x.shape[0]] if whole_shape else [])
+    mine = torch.tensor([*sig, *sizes, *(peer or [])], dtype=torch.int64, device=x.device)
+    out = [torch.empty_like(mine) for _ in range(ws)]
+    dist.all_gather(out, mine, group=group)
+    rows = [t.tolist() for t in out]
+    n = len(sig)
+    for q, row in enumerate(rows):
+        if row[:n] != sig:
+            what = "shape" if whole_shape else "trailing dims"
+            raise ValueError(f"x: expected the same dtype and {what} on every rank of the group, got {x.dtype} "
+                             f"{list(x.shape[0 if whole_shape else 1:])} on rank {rank} and another on rank {q}")
+    if peer is None:
+        for q, row in enumerate(rows):
+            if row[n:] != sizes:
+                raise ValueError(f"{name}: expected the same list on every rank of the group, got {sizes} on "
+                                 f"rank {rank} and {row[n:]} on rank {q}")
+        return
+    for r, row in enumerate(rows):
+        for q in range(ws):
+            if row[n + q] != rows[q][n + ws + r]:
+                raise ValueError(f"{name}: expected rank {r}'s {name}[{q}] to equal what rank {q} sends it "
+                                 f"({rows[q][n + ws + r]}), got {row[n + q]}")
+
+
 def _signature(x: torch.Tensor) -> list[int]:
     """``[crc32 of the dtype's name, ndim, trailing dims...]``, the trailing dims padded (or folded) to 8: equal
     across ranks when the dtype and the trailing shape agree."""
@@ -152,10 +194,13 @@ class _AllToAll(torch.autograd.Function):
 
 def _gathered_sizes(x: torch.Tensor, group: Group, sizes) -> list[int]:
     """The row counts of a gather: checked, or exchanged when None; this rank's must be x's."""
+    if sizes is None:
+        return _exchange_sizes(x, group)
     ws, rank = group_size_rank(group)
-    sizes = _exchange_sizes(x, group) if sizes is None else _check_sizes("sizes", sizes, ws)
+    sizes = _check_sizes("sizes", sizes, ws)
     if sizes[rank] != x.shape[0]:
         raise ValueError(f"sizes: expected sizes[{rank}] = x.shape[0] = {x.shape[0]} on rank {rank}, got {sizes[rank]}")
+    _agree(x, group, "sizes", sizes)
     return sizes
 
 
@@ -174,7 +219,7 @@ def all_gather(x: torch.Tensor, group: Group = None, sizes: Sequence[int] | None
         x: `[n_r, ...]` this rank's rows, any dtype; the dtype and trailing dims must agree over the group.
         group: the process group (None: the default group).
         sizes: ``[n_0, ..., n_{ws-1}]`` every rank's row count (the same list on every rank: the caller's
-            contract, unchecked); None exchanges them with one small all-gather (a host sync), which also
+            contract, checked only under :func:`checking`); None exchanges them with one small all-gather (a host sync), which also
             checks the dtype and trailing dims: ranks that disagree raise ``ValueError`` together.
 
     Returns:
@@ -191,7 +236,8 @@ def reduce_scatter(x: torch.Tensor, group: Group = None, sizes: Sequence[int] | 
     Args:
         x: `[sum(sizes), ...]` the same shape on every rank, any dtype (16-bit floats are summed in fp32).
         group: the process group (None: the default group).
-        sizes: rows per rank (the same list everywhere); None splits the rows evenly (``ws`` must divide them).
+        sizes: rows per rank (the same list everywhere; x's shape too: both checked under :func:`checking`); None
+            splits the rows evenly (``ws`` must divide them).
 
     Returns:
         `[sizes[r], ...]` in x's dtype: ``out = sum_q x_q[sum(sizes[:r]) : sum(sizes[:r+1])]``, summed in
@@ -206,6 +252,7 @@ def reduce_scatter(x: torch.Tensor, group: Group = None, sizes: Sequence[int] | 
     sizes = _check_sizes("sizes", sizes, ws)
     if sum(sizes) != x.shape[0]:
         raise ValueError(f"sizes: expected them to sum to x.shape[0] = {x.shape[0]}, got {sizes} (sum {sum(sizes)})")
+    _agree(x, group, "sizes", sizes, whole_shape=True)
     return _ReduceScatter.apply(x, sizes, group)
 
 
@@ -216,7 +263,8 @@ def all_to_all(x: torch.Tensor, output_split_sizes: Sequence[int], input_split_s
 
     Args:
         x: `[sum(input_split_sizes), ...]` any dtype.
-        output_split_sizes: rows received from each rank (must match what the peers send).
+        output_split_sizes: rows received from each rank (must match what the peers send: checked under
+            :func:`checking`).
         input_split_sizes: rows sent to each rank.
         group: the process group (None: the default group).
 
@@ -230,6 +278,7 @@ def all_to_all(x: torch.Tensor, output_split_sizes: Sequence[int], input_split_s
     if sum(in_sizes) != x.shape[0]:
         raise ValueError(f"input_split_sizes: expected them to sum to x.shape[0] = {x.shape[0]}, "
                          f"got {in_sizes} (sum {sum(in_sizes)})")
+    _agree(x, group, "output_split_sizes", out_sizes, peer=in_sizes)
     return _AllToAll.apply(x, out_sizes, in_sizes, group)
 
 
@@ -255,16 +304,19 @@ def split_rows(x: torch.Tensor, group: Group = None, sizes: Sequence[int] | None
     is its exit.
 
     Args:
-        x: `[sum(sizes), ...]`, the same tensor on every rank (not checked: the caller's contract).
+        x: `[sum(sizes), ...]`, the same tensor on every rank (the caller's contract: its values are never
+            checked, its shape under :func:`checking`).
         group: the process group (None: the default group).
-        sizes: rows per rank (the same list everywhere); None: :func:`even_sizes`.
+        sizes: rows per rank (the same list everywhere, checked under :func:`checking`); None: :func:`even_sizes`.
 
     Returns:
         `[sizes[r], ...]` a copy of rows ``[sum(sizes[:r]), sum(sizes[:r+1]))``. Backward: the ranks' gradients
         all-gathered in rank order, so every rank gets the whole (replicated) gradient of ``x``.
     """
     x = _check_x(x)
-    return _SplitRows.apply(x, _replicated_sizes(x, group, sizes), group)
+    sizes = _replicated_sizes(x, group, sizes)
+    _agree(x, group, "sizes", sizes, whole_shape=True)
+    return _SplitRows.apply(x, sizes, group)
 
 
 def gather_rows(x: torch.Tensor, group: Group = None, sizes: Sequence[int] | None = None) -> torch.Tensor:
@@ -276,7 +328,8 @@ def gather_rows(x: torch.Tensor, group: Group = None, sizes: Sequence[int] | Non
 
     Args:
         x: `[sizes[r], ...]` this rank's rows. group: the process group (None: the default group).
-        sizes: every rank's row count (the same list everywhere); None exchanges them (a host sync).
+        sizes: every rank's row count (the same list everywhere, checked under :func:`checking`); None
+            exchanges them (a host sync).
 
     Returns:
         `[sum(sizes), ...]`. Backward: rows ``[sum(sizes[:r]), sum(sizes[:r+1]))`` of the gradient.
