@@ -69,6 +69,9 @@ def row_dot(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, rows: int = 51
     """``(a * b).sum(-1)`` in ``dtype`` for ``[T, ...]`` tensors, by slices of ``rows`` tokens: the same sums
     (each row is reduced whole, in the same order) without a full-size product tensor, whose fresh pages cost
     more than the product (docs/perf.md)."""
+    if torch.compiler.is_compiling():
+        # traced, the loop would specialise the graph on T; Inductor fuses the product into the sum instead
+        return (a.to(dtype) * b.to(dtype)).sum(-1)
     out = torch.empty(a.shape[:-1], dtype=dtype, device=a.device)
     for i in range(0, a.shape[0], rows):
         torch.sum(a[i:i + rows].to(dtype) * b[i:i + rows].to(dtype), dim=-1, out=out[i:i + rows])
