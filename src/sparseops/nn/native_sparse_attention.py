@@ -157,7 +157,8 @@ class NativeSparseAttention(nn.Module):
         Args:
             x: ``[T, hidden_size]`` float16, bfloat16, float32 or float64.
             cu_seqlens: flash-attention cumulative lengths with the leading 0 (int tensor ``[B+1]`` or list of
-                ints), or None for one sequence.
+                ints), or None for one sequence. Under ``torch.compile`` a tensor for packings that change, a list
+                for a fixed one (docs/nsa-module.md, "`torch.compile`").
             return_info: also return a dict with ``topk_indices [T, N2, n]`` int32, ``gates [T, N1, 3]`` (cmp,
                 slc, win; 0 for a branch not computed), and the branch outputs ``o_cmp``, ``o_slc``, ``o_win``
                 ``[T, N1, Dv]`` (zeros for a branch not computed).
@@ -168,16 +169,38 @@ class NativeSparseAttention(nn.Module):
         x = _checks.check_hidden_states(x, self.hidden_size, self.q_proj.weight.dtype, DTYPES, self.q_proj.weight.device)
         return_info = _checks.check_bool("return_info", return_info)
         T = x.shape[0]
-        cu = cu_seqlens_list("cu_seqlens", cu_seqlens, T)
+        # a tensor under torch.compile: its lengths are read in an eager region, so no graph depends on the packing
+        eager_region = isinstance(cu_seqlens, torch.Tensor) and torch.compiler.is_compiling()
+        cu = cu_seqlens if eager_region else cu_seqlens_list("cu_seqlens", cu_seqlens, T)
         N1, N2, Dqk, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim
-        l, d, lb = self.compress_block_size, self.compress_stride, self.select_block_size
         q = self.q_proj(x).view(T, N1, Dqk)
-        k_c, v_c, k_s, v_s, k_w, v_w = (
-            t.view(T, N2, D) for t, D in zip(self.kv_proj(x).split([N2 * Dqk, N2 * Dv] * 3, dim=-1), [Dqk, Dv] * 3))
-        if self.rope_theta is not None:
-            pos = token_seq_positions(cu, device=x.device)[1]
-            q, k_s, k_w = (apply_rope(t, pos, self.rope_theta) for t in (q, k_s, k_w))
+        kv = (t.view(T, N2, D) for t, D in zip(self.kv_proj(x).split([N2 * Dqk, N2 * Dv] * 3, dim=-1), [Dqk, Dv] * 3))
         gates = torch.sigmoid(self.gate_proj(x)).view(T, N1, 3) * self.gate_mask
+        if eager_region:
+            o_cmp, o_slc, o_win, topk = _branches_eager(self, cu, q, *kv)
+        else:
+            o_cmp, o_slc, o_win, topk = self._branches(cu, q, *kv)
+        outs = (o_cmp, o_slc, o_win)
+        on = [c for c, oc in enumerate(outs) if oc is not None]
+        g = gates if len(on) == 3 else gates[..., on]  # the other gates are 0
+        # under autocast the branches come out in its dtype, the gates (times the fp32 mask) in fp32
+        o = gated_sum(g.to(outs[on[0]].dtype), *(outs[c] for c in on))
+        y = self.o_proj(o.flatten(1))  # not T: after the eager region an int would specialise the graph
+        if not return_info:
+            return y
+        zeros = q.new_zeros((q.shape[0], N1, Dv))
+        o_cmp, o_slc, o_win = (zeros if oc is None else oc for oc in outs)
+        return y, {"topk_indices": topk, "gates": gates, "o_cmp": o_cmp, "o_slc": o_slc, "o_win": o_win}
+
+    def _branches(self, cu: list[int], q, k_c, v_c, k_s, v_s, k_w, v_w):
+        """The branches on the packed layout ``cu``: ``(o_cmp, o_slc, o_win, topk_indices)``, None for a branch
+        not computed; RoPE first where set. Everything that reads the lengths runs here."""
+        T, N1, _ = q.shape
+        N2 = k_c.shape[1]
+        l, d, lb = self.compress_block_size, self.compress_stride, self.select_block_size
+        if self.rope_theta is not None:
+            pos = token_seq_positions(cu, device=q.device)[1]
+            q, k_s, k_w = (apply_rope(t, pos, self.rope_theta) for t in (q, k_s, k_w))
         o_cmp = o_slc = o_win = None  # a branch not computed
         topk = q.new_full((T, N2, self.select_count), -1, dtype=torch.int32)
         if "cmp" in self.branches or "slc" in self.branches:
@@ -185,7 +208,7 @@ class NativeSparseAttention(nn.Module):
             kc, vc, _ = compress_kv(k_c, v_c, cu, l, d, compressor=phi)
             cu_cmp = cmp_cu_seqlens(cu, l, d)
             if self.rope_theta is not None:
-                kc = apply_rope(kc, token_seq_positions(cu_cmp, device=x.device)[1] * d, self.rope_theta)
+                kc = apply_rope(kc, token_seq_positions(cu_cmp, device=q.device)[1] * d, self.rope_theta)
             o_cmp, lse = compressed_attention(q, kc, vc, cu, cu_cmp, l, d, self.scale)
             if "slc" in self.branches:
                 topk = select_blocks(q, kc, lse, cu, cu_cmp, l, d, lb, self.select_count, self.init_blocks,
@@ -197,14 +220,12 @@ class NativeSparseAttention(nn.Module):
                 o_cmp = None
         if "win" in self.branches:
             o_win = sliding_window_attention(q, k_w, v_w, cu, self.window_size, self.scale)
-        outs = (o_cmp, o_slc, o_win)
-        on = [c for c, oc in enumerate(outs) if oc is not None]
-        g = gates if len(on) == 3 else gates[..., on]  # the other gates are 0
-        # under autocast the branches come out in its dtype, the gates (times the fp32 mask) in fp32
-        o = gated_sum(g.to(outs[on[0]].dtype), *(outs[c] for c in on))
-        y = self.o_proj(o.reshape(T, N1 * Dv))
-        if not return_info:
-            return y
-        zeros = q.new_zeros((T, N1, Dv))
-        o_cmp, o_slc, o_win = (zeros if oc is None else oc for oc in outs)
-        return y, {"topk_indices": topk, "gates": gates, "o_cmp": o_cmp, "o_slc": o_slc, "o_win": o_win}
+        return o_cmp, o_slc, o_win, topk
+
+
+@torch._disable_dynamo  # torch.compiler.disable, which imports torch._dynamo at the first call, not at import
+def _branches_eager(layer: NativeSparseAttention, cu_seqlens: torch.Tensor, *qkv):
+    """``layer._branches`` eager also inside ``torch.compile``, on the lengths of the tensor ``cu_seqlens`` read here:
+    traced, each layout would be a new graph (the lengths size the compressed keys and the chunk plans), a
+    recompile per new packing (docs/nsa-module.md, "`torch.compile`")."""
+    return layer._branches(cu_seqlens_list("cu_seqlens", cu_seqlens, qkv[0].shape[0]), *qkv)
