@@ -112,23 +112,41 @@ class DeepSeekSparseAttention(nn.Module):
         _checks.check_has_data("x", x, module=True)  # the indexer's top-k reads the scores
         return_info = _checks.check_bool("return_info", return_info)
         T = x.shape[0]
-        cu = cu_seqlens_list(cu_seqlens, T)
+        # a tensor under torch.compile: its lengths are read in an eager region, so no graph depends on the packing
+        eager_region = isinstance(cu_seqlens, torch.Tensor) and torch.compiler.is_compiling()
+        cu = cu_seqlens if eager_region else cu_seqlens_list(cu_seqlens, T)
         N1, N2, Dqk, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim
         q = self.q_proj(x).view(T, N1, Dqk)
         k, v = self.kv_proj(x).split([N2 * Dqk, N2 * Dv], dim=-1)
         k, v = k.reshape(T, N2, Dqk), v.reshape(T, N2, Dv)
+        attend = _attend_eager if eager_region else DeepSeekSparseAttention._attend
+        o, indices, scores, loss = attend(self, cu, x, q, k, v, return_info)
+        y = self.o_proj(o.flatten(1))  # not T: after the eager region an int would specialise the graph
+        if not return_info:
+            return y
+        return y, {"indices": indices, "scores": scores, "indexer_loss": loss}
+
+    def _attend(self, cu: list[int], x, q, k, v, with_loss: bool):
+        """Everything that reads the packed layout ``cu``: RoPE, the indexer and its top-k, the attention and (when
+        ``with_loss``) the indexer's loss: ``(o [T, N1, Dv], indices, scores, loss or None)``."""
         pos = None
         if self.rope_theta is not None:
             pos = token_seq_positions(cu, device=x.device)[1]
             q, k = apply_rope(q, pos, self.rope_theta), apply_rope(k, pos, self.rope_theta)
         indices, scores = indexer_topk(*self.indexer(x, pos), self.topk, cu_seqlens=cu, causal=True)
         # with the loss's target from the attention's own pass when the loss is asked for
-        res = sparse_attention(q, k, v, indices, scale=self.scale, cu_seqlens=cu, return_target=return_info,
+        res = sparse_attention(q, k, v, indices, scale=self.scale, cu_seqlens=cu, return_target=with_loss,
                                backend=self.backend, validate=False)
-        o, p = res if return_info else (res, None)
-        y = self.o_proj(o.reshape(T, N1 * Dv))
-        if not return_info:
-            return y
-        loss = indexer_kl_loss(q.detach(), k.detach(), indices, scores, scale=self.scale, head_num=N1, cu_seqlens=cu,
-                               target=p)
-        return y, {"indices": indices, "scores": scores, "indexer_loss": loss}
+        if not with_loss:
+            return res, indices, scores, None
+        o, p = res
+        loss = indexer_kl_loss(q.detach(), k.detach(), indices, scores, scale=self.scale, head_num=self.num_heads,
+                               cu_seqlens=cu, target=p)
+        return o, indices, scores, loss
+
+
+@torch._disable_dynamo  # torch.compiler.disable, which imports torch._dynamo at the first call, not at import
+def _attend_eager(layer: DeepSeekSparseAttention, cu_seqlens: torch.Tensor, x, *rest):
+    """``layer._attend`` eager also inside ``torch.compile``, on the lengths of the tensor ``cu_seqlens`` read here:
+    traced, each packing would be a new graph (docs/dsa.md, "`torch.compile`")."""
+    return layer._attend(cu_seqlens_list(cu_seqlens, x.shape[0]), x, *rest)

@@ -1,15 +1,17 @@
-"""NativeSparseAttention and the demo LM under ``torch.compile`` (``aot_eager``: dynamo's graphs and AOT autograd's
+"""NativeSparseAttention, DeepSeekSparseAttention and the demo LM (with each) under ``torch.compile`` (``aot_eager``: dynamo's graphs and AOT autograd's
 backward, no C++ build) with ``cu_seqlens`` tensors whose packing changes every call: no new graph once dynamo has
 made the sizes dynamic, the eager values (forward, every gradient) within the float64 tolerance, one graph break
-per layer, the eager region's (docs/nsa-module.md, "`torch.compile`")."""
+per layer, the eager region's (docs/nsa-module.md and docs/dsa.md, "`torch.compile`")."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from sparseops.models.lm import CausalLM, LMConfig
-from sparseops.nn import NativeSparseAttention
+from sparseops.nn import DeepSeekSparseAttention, NativeSparseAttention
 from sparseops.testing import assert_close
 
 #: the first graph; then B changes (cu_seqlens' length goes dynamic); then T changes (T goes dynamic)
@@ -55,7 +57,7 @@ def _run(module, step, layouts, eager_islands):
     breaks = dict(counters["graph_break"])
     torch._dynamo.reset()
     warm = len(WARMUP)
-    assert graphs[warm:] == [graphs[warm - 1]] * len(LAYOUTS), graphs  # no new graph after the warm-up
+    assert graphs[warm:] == [graphs[warm - 1]] * (len(layouts) - warm), graphs  # no new graph after the warm-up
     assert len(breaks) == len(eager_islands), breaks
     assert all(any(f in b and "skip" in b.lower() for b in breaks) for f in eager_islands), breaks
 
@@ -75,9 +77,27 @@ def test_nsa_compiled_with_changing_layouts():
     _run(m, step, WARMUP + LAYOUTS, ["_branches_eager"])
 
 
-def test_lm_compiled_with_changing_layouts():
+def test_dsa_compiled_with_changing_layouts():
     torch.manual_seed(0)
-    m = CausalLM(TINY, dtype=torch.float64)
+    m = DeepSeekSparseAttention(16, 2, 1, 8, topk=5, index_heads=2, index_head_dim=8, rope_theta=1e4,
+                                dtype=torch.float64)
+
+    def step(fn, cu):
+        T = cu[-1] if isinstance(cu, list) else int(cu[-1])
+        x = torch.randn(T, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(T)).requires_grad_()
+        y, info = fn(x, cu, return_info=True)
+        ((y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum() + info["indexer_loss"]).backward()
+        return [y, info["indices"], info["scores"], info["indexer_loss"]], [x]
+
+    _run(m, step, WARMUP + LAYOUTS, ["_attend_eager"])
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dsa"])
+def test_lm_compiled_with_changing_layouts(attention):
+    """The LM passes the tensor through to its layers: two new packings after the warm-up (the layers' tests
+    cover the rest)."""
+    torch.manual_seed(0)
+    m = CausalLM(dataclasses.replace(TINY, attention=attention), dtype=torch.float64)
 
     def step(fn, cu):
         T = cu[-1] if isinstance(cu, list) else int(cu[-1])
@@ -86,7 +106,8 @@ def test_lm_compiled_with_changing_layouts():
         (logits.logsumexp(-1).mean() + aux).backward()
         return [logits, aux], []
 
-    _run(m, step, WARMUP + LAYOUTS, ["_branches_eager", "_moe_eager"])
+    island = "_branches_eager" if attention == "nsa" else "_attend_eager"
+    _run(m, step, WARMUP + LAYOUTS[2:4], [island, "_moe_eager"])
 
 
 @pytest.mark.parametrize("bad", [torch.tensor([0, 20, 41], dtype=torch.int32), torch.tensor([0, 30, 20, 40])],
