@@ -19,6 +19,11 @@ CASES = [
     ("G16-one-kv-head", [32], None, 16, 1, 32, 16, 16, 3, True, 0.1, True),
     ("head-dim-256", [24], None, 2, 1, 256, 128, 16, 2, True, 0.0, False),
     ("T1-one-token", [1], [33], 3, 1, 16, 16, 16, 2, False, 0.0, False),
+    # sequences of 0-3 tokens packed several to a block row of the buffer (each sees only its own keys), and tiny
+    # sequences packed into the last row of long ones
+    ("tiny-seqs-packed", [1, 2, 3, 0, 1, 3, 2, 2, 1, 3, 0, 2], None, 4, 2, 16, 8, 16, 2, True, 0.0, False),
+    ("long-and-tiny-mixed", [1, 2, 3, 20, 2, 0, 1, 18, 3, 2], None, 6, 2, 16, 8, 16, 3, True, 0.2, True),
+    ("tiny-noncausal-kv-longer", [1, 3, 2, 1, 2], [3, 1, 2, 5, 2], 4, 2, 16, 8, 16, 2, False, 0.0, True),
 ]
 
 
@@ -143,10 +148,12 @@ def test_seed_op_reads_lane_zero_only():
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("case", [CASES[3], CASES[7]], ids=[CASES[3][0], CASES[7][0]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_deterministic_is_bitwise_reproducible(dtype):
-    # G16 with duplicates: many (token, slot) pairs add into the same key rows
-    a = _case_inputs(CASES[3], dtype, seed=5)
+def test_deterministic_is_bitwise_reproducible(dtype, case):
+    # G16 with duplicates: many (token, slot) pairs add into the same key rows; tiny sequences packed into
+    # shared block rows: the slots of several sequences add into one row
+    a = _case_inputs(case, dtype, seed=5)
     q, k, v, kw = _split(a)
     out, m, l = sparseops.nsa_selected_attention(q, k, v, **kw)
     dout = torch.randn(out.shape).to(dtype)
@@ -252,7 +259,7 @@ def layouts(monkeypatch):
 
 
 @pytest.mark.parametrize("layout", ["span", "union", "tile1", "tile3", "tile64", "global1", "global3"])
-@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3]], ids=[CASES[0][0], CASES[1][0], CASES[3][0]])
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 3, 6, 7)], ids=[CASES[i][0] for i in (0, 1, 3, 6, 7)])
 def test_every_layout_matches_reference(case, layout, override, layouts):
     # the torch backend picks per chunk a union layout (its blocks as one span of the block buffer, a view, or
     # gathered) or a block-centric one whose tiles hold M slots of one block (M picked per chunk, or over all

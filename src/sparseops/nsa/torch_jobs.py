@@ -183,7 +183,7 @@ class TileBatch:
         p, M, bs = self.job.plan, self.job.M, self.job.plan.bs
         tok = self.row_tok.clamp(max=p.T1 * p.N2 - 1) // p.N2
         kpos = (self.tile_blk.repeat_interleave(M) % p.NB)[:, None] * bs + torch.arange(bs, device=tok.device)
-        vis = kpos < p.key_bound(tok)[:, None]
+        vis = p.visible(kpos, tok)
         rows = (~vis.all(-1)).nonzero()[:, 0]
         if rows.numel() == 0:
             return None

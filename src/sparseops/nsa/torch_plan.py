@@ -3,9 +3,11 @@
 See docs/nsa.md for the contract; arguments arrive validated (docs/internals.md). Tokens are processed in
 chunks sized by a memory budget; inside a chunk everything is batched, with no Python loop over tokens:
 
-1. keys and values are copied once per call into a *block buffer* ``[N2 * NB, BS, D]`` (``NB`` = the blocks of
-   all sequences, each sequence's last block zero-padded), so a selected block is one contiguous row of the
-   buffer and ``topk`` ids turn into buffer rows with one add;
+1. keys and values are copied once per call into a *block buffer* ``[N2 * NB, BS, D]`` (``NB`` block rows: a
+   sequence of several blocks starts a row, one that fits in what is left of the current row is packed after
+   the sequences before it, :func:`buffer_starts`; at most twice the keys however short the sequences), so a
+   selected block is one contiguous row of the buffer and ``topk`` ids turn into buffer rows with one add; the
+   visibility masks hide the other sequences' keys of a packed row;
 2. per chunk, the slots that can see nothing (``-1``, or causal blocks that start after the query) are dropped;
 3. a chunk whose tokens pick overlapping blocks (it computes at most ``union_waste`` times its live keys;
    a span at most :func:`union_limit`) runs in the *union layout* (:class:`~.torch_jobs.UnionJob`): batch = KV
@@ -103,6 +105,23 @@ def tile_size(cnt: torch.Tensor, G: int, knobs: NsaTorchSettings) -> int:
     return best_m
 
 
+def buffer_starts(lens_kv: list[int], bs: int) -> list[int]:
+    """Each sequence's first position in the block buffer's rows ``[NB * BS]``, from its key count: in order, a
+    sequence that fits in what is left of the current block row starts right after the previous one (packed),
+    any other at the next block row. A sequence of several blocks therefore starts a row (its block ``j`` is
+    buffer row ``start / BS + j``), and a packed one lies within one row, its block 0. Any two consecutive rows
+    hold a block's worth of keys or more, so the buffer holds at most twice the keys plus one row, however many
+    sequences shorter than a block there are (padding every sequence: up to ``BS`` times); one sequence fills
+    it as before, padded to whole blocks. Example, ``BS = 4``, key counts ``[6, 1, 2, 3]``: starts
+    ``[0, 6, 8, 12]``, rows ``[a0 a1 a2 a3] [a4 a5 b0 -] [c0 c1 - -] [d0 d1 d2 -]`` (docs/nsa.md)."""
+    start, pos = [], 0
+    for s in lens_kv:
+        if pos % bs + s > bs:
+            pos = -(-pos // bs) * bs
+        start.append(pos)
+        pos += s
+    return start
+
 
 class Plan:
     """Per-call index tensors shared by the forward and the backward."""
@@ -119,29 +138,30 @@ class Plan:
         B = len(cu_q) - 1
         lens_q = torch.tensor([cu_q[b + 1] - cu_q[b] for b in range(B)], dtype=torch.int64)
         lens_kv = [cu_kv[b + 1] - cu_kv[b] for b in range(B)]
-        nblk = [-(-s // bs) for s in lens_kv]
-        blk_base = [0] * B
-        for b in range(1, B):
-            blk_base[b] = blk_base[b - 1] + nblk[b - 1]
-        self.NB = sum(nblk)
-        # per query token: its sequence's key count, first block in the buffer, and its in-sequence position
+        start = buffer_starts(lens_kv, bs)
+        self.NB = -(-(start[-1] + lens_kv[-1]) // bs) if B else 0
+        # packed: some sequence starts inside a block row, after the keys of others (their keys are invisible to it)
+        self.packed = any(s % bs for s in start)
+        # per query token: its sequence's key count, first buffer position and block row, its in-sequence position
         seq = torch.repeat_interleave(torch.arange(B), lens_q, output_size=self.T1)
         self.cu_q = cu_q
         pos = torch.arange(self.T1) - torch.tensor(cu_q[:-1], dtype=torch.int64)[seq]
+        start_t = torch.tensor(start, dtype=torch.int64)
         self.s2 = torch.tensor(lens_kv, dtype=torch.int64)[seq].to(dev)
-        self.base = torch.tensor(blk_base, dtype=torch.int64)[seq].to(dev)
+        self.start = start_t[seq].to(dev)
+        self.base = self.start // bs
         self.s1 = pos.to(dev)
         # per key row: its row in the flattened block buffer [NB * BS]
         kv_lens = torch.tensor(lens_kv, dtype=torch.int64)
         kseq = torch.repeat_interleave(torch.arange(B), kv_lens, output_size=self.T2)
         kpos = torch.arange(self.T2) - torch.tensor(cu_kv[:-1], dtype=torch.int64)[kseq]
-        key_row = torch.tensor(blk_base, dtype=torch.int64)[kseq] * bs + kpos
+        key_row = start_t[kseq] + kpos
         # [N2 * T2]: rows of the 2-D buffer [N2 * NB * BS, D] for k.transpose(0, 1) flattened
         self.key_row = (torch.arange(self.N2)[:, None] * (self.NB * bs) + key_row[None, :]).reshape(-1).to(dev)
         self.topk = topk.to(dev, torch.int64)
 
     def to_blocks(self, x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-        """``[T2, N2, D]`` -> block buffer ``[N2 * NB, BS, D]`` in ``acc`` (zero padding past each sequence)."""
+        """``[T2, N2, D]`` -> block buffer ``[N2 * NB, BS, D]`` in ``acc`` (zeros where no key is placed)."""
         D = x.shape[2]
         buf = x.new_zeros((self.N2 * self.NB * self.bs, D), dtype=acc)
         buf.index_copy_(0, self.key_row, x.transpose(0, 1).reshape(-1, D).to(acc))
@@ -194,14 +214,19 @@ class Plan:
                 continue
             yield t0, t1, job
 
-    def key_bound(self, tok):
-        """Per query token: the key of buffer position ``blk * BS + j`` (in the token's sequence) is visible
-        to it iff that position is below this bound, its sequence's first buffer key plus its key count (and,
-        causal, plus its own position + 1, whichever is smaller)."""
-        bound = self.s2[tok]
+    def visible(self, kpos, tok, shape=(-1, 1)):
+        """Whether the key at buffer position ``kpos`` (``blk * BS + j``) is visible to query token ``tok`` (its
+        bounds viewed as ``shape`` to broadcast against ``kpos``): at or past its sequence's first buffer position
+        (the keys before it in a packed block row are other sequences'), and below that position plus its key
+        count (and, causal, plus its own position + 1, whichever is smaller)."""
+        lo = self.start[tok]
+        hi = self.s2[tok]
         if self.causal:
-            bound = torch.minimum(bound, self.s1[tok] + 1)
-        return bound + self.base[tok] * self.bs
+            hi = torch.minimum(hi, self.s1[tok] + 1)
+        vis = kpos < (hi + lo).view(shape)
+        if self.packed:
+            vis &= kpos >= lo.view(shape)
+        return vis
 
     def _live_slots(self, t0, t1):
         """``[C, N2, K]``: the slot's block can hold a visible key (the per-key mask refines this)."""
@@ -255,7 +280,7 @@ class Plan:
         # [NT * M, BS] key visibility; padding rows see everything (their queries are 0, their dY is 0)
         tok = row_tok.clamp(max=C * N2 - 1) // N2 + t0
         kpos = (tile_blk.repeat_interleave(M) % self.NB)[:, None] * bs + torch.arange(bs, device=dev)
-        vis = kpos < self.key_bound(tok)[:, None]
+        vis = self.visible(kpos, tok)
         vis |= (row_tok == C * N2)[:, None]
         return TileJob(self, t0, C, kc, M, NT, slot_row, row_tok, tile_blk, None if bool(vis.all()) else vis)
 
@@ -324,12 +349,11 @@ class Plan:
         uidx = where_u[heads[None, :, None], gblk]
         cnt = torch.zeros(C, N2, U, dtype=torch.int64, device=dev)
         cnt.scatter_add_(2, torch.where(live, uidx, 0), live.to(torch.int64))
-        # [N2, C, U, BS]: [N2, U, BS] buffer positions against one bound per token (:meth:`key_bound`), for
+        # [N2, C, U, BS]: [N2, U, BS] buffer positions against the bounds of each token (:meth:`visible`), for
         # the blocks the token selected
         cnt = cnt.transpose(0, 1).contiguous()
         kpos = ublk[..., None] * bs + torch.arange(bs, device=dev)
-        vis = (cnt > 0)[..., None] & (kpos[:, None] < self.key_bound(torch.arange(t0, t1, device=dev))[
-            None, :, None, None])
+        vis = (cnt > 0)[..., None] & self.visible(kpos[:, None], torch.arange(t0, t1, device=dev), (1, C, 1, 1))
         mult = None
         if bool((cnt > 1).any()):
             mult = (cnt[..., None] * vis).view(N2, 1, C, U * bs)
