@@ -91,9 +91,11 @@ def compressed_chunks(cu: list[int], cu_cmp: list[int], l: int, d: int, n1: int,
 
 
 def _heads_first(x: torch.Tensor, n2: int) -> torch.Tensor:
-    """``[Tq, N1, D]`` -> ``[N2, Tq*G, D]`` (query head ``n2*G + g`` of token t at row ``t*G + g``)."""
-    Tq, N1, D = x.shape
-    return x.view(Tq, n2, N1 // n2, D).transpose(0, 1).reshape(n2, Tq * (N1 // n2), D)
+    """``[Tq, N1, D]`` -> ``[N2, Tq*G, D]`` (query head ``n2*G + g`` of token t at row ``t*G + g``); ``[M, Tq, N1, D]``
+    (M sequences of Tq tokens) -> ``[M*N2, Tq*G, D]``, sequence i's KV head n2 at ``i*N2 + n2``."""
+    *lead, Tq, N1, D = x.shape
+    G = N1 // n2
+    return x.view(*lead, Tq, n2, G, D).transpose(-4, -3).reshape(-1, Tq * G, D)
 
 
 def _tokens_first(x: torch.Tensor, tq: int) -> torch.Tensor:
