@@ -1,11 +1,21 @@
 """select_blocks: Eq. 9 in 0-based form by hand, the float64 per-token reference, the selection invariants
-(forced blocks present, ascending, no duplicates, -1 exactly when fewer candidates than n), ties, bad input."""
+(forced blocks present, ascending, no duplicates, -1 exactly when fewer candidates than n), ties, the batches of
+short sequences against the reference and the one-sequence path, bad input."""
+
+import collections
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from sparseops.nsa_branches import compress_kv, compressed_attention, reference, select_blocks
-from sparseops.nsa_branches.selection import block_importance, importance_weights
+from sparseops.nsa_branches import (
+    chunked_attention,
+    compress_kv,
+    compressed_attention,
+    reference,
+    select_blocks,
+)
+from sparseops.nsa_branches.selection import _plan, block_importance, importance_weights
 
 
 @pytest.mark.parametrize("lds, weights", [
@@ -37,11 +47,11 @@ def test_fla_blocks_are_the_identity():
     assert torch.equal(block_importance(P, 16, 16, 16, 7), P)
 
 
-def _setup(cu, N1, N2, D, l, d, seed=0):
+def _setup(cu, N1, N2, D, l, d, seed=0, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     T = cu[-1]
-    q = 2 * torch.randn(T, N1, D, generator=g, dtype=torch.float64)
-    k = torch.randn(T, N2, D, generator=g, dtype=torch.float64)
+    q = (2 * torch.randn(T, N1, D, generator=g, dtype=torch.float64)).to(dtype)
+    k = torch.randn(T, N2, D, generator=g, dtype=torch.float64).to(dtype)
     kc, vc, cu_cmp = compress_kv(k, k, cu, l, d)
     kc = 3 * kc
     _, lse = compressed_attention(q, kc, kc, cu, cu_cmp, l, d)
@@ -66,6 +76,10 @@ def test_against_reference_and_invariants(case):
     want = reference.select_blocks(q, kc, lse, cu, cu_cmp, l, d, lb, n, init, local, 8 ** -0.5)
     assert got.dtype == torch.int32 and got.shape == (cu[-1], N2, n)
     assert torch.equal(got, want)
+    _check_invariants(got, cu, N2, lb, n, init, local)
+
+
+def _check_invariants(got, cu, N2, lb, n, init, local):
     for b in range(len(cu) - 1):
         for t in range(cu[b + 1] - cu[b]):
             cur = t // lb
@@ -78,6 +92,93 @@ def test_against_reference_and_invariants(case):
                 assert all(0 <= i <= cur for i in valid)  # candidates only
                 forced = {i for i in range(cur + 1) if i < init or i > cur - local}
                 assert forced <= set(valid)
+
+
+# (l, d, l') = (8, 4, 4): empty sequences first, last and between; shorter than l - 1 (no block, every row from the
+# table of positions, which spans two selection blocks), l - 1, l and l + 1 (one block, one row that sees it); runs
+# of equal and of mixed short lengths
+# (batches of one length class, cut by small chunks); 45, 65 and 70 tokens (alone by row chunks under small chunks)
+MIXED_LENGTHS = [0, 1, 7, 8, 9, 0, 45, 3, 12, 12, 12, 12, 20, 33, 0, 65, 2, 5, 70, 16, 17, 31, 40, 6, 0]
+MIXED_CU = [sum(MIXED_LENGTHS[:i]) for i in range(len(MIXED_LENGTHS) + 1)]
+MIXED_SETTINGS = {  # chunked_attention.SETTINGS knobs
+    "one-batch-per-class": {},
+    # batches of 2 and of 1 sequence; from 20 tokens alone, by chunks of 5-23 rows
+    "small-chunks": dict(chunk_bytes=3000),
+    "all-alone": dict(select_group_bytes=0),  # every sequence with a block by its own chunks
+}
+
+
+@pytest.mark.parametrize("knobs", MIXED_SETTINGS.values(), ids=MIXED_SETTINGS.keys())
+def test_many_short_sequences_against_reference(knobs):
+    l, d, lb, n, init, local = 8, 4, 4, 4, 1, 1
+    q, kc, lse, cu_cmp = _setup(MIXED_CU, 4, 2, 8, l, d, seed=1)
+    with chunked_attention.SETTINGS.override(**knobs):
+        got = select_blocks(q, kc, lse, MIXED_CU, cu_cmp, l, d, lb, n, init, local)
+    want = reference.select_blocks(q, kc, lse, MIXED_CU, cu_cmp, l, d, lb, n, init, local, 8 ** -0.5)
+    assert torch.equal(got, want)
+    _check_invariants(got, MIXED_CU, 2, lb, n, init, local)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_many_short_sequences_batched_as_alone(dtype):
+    # the batches score each row from the same products and sums as a sequence's own chunks
+    l, d, lb, n = 8, 4, 4, 4
+    q, kc, lse, cu_cmp = _setup(MIXED_CU, 4, 2, 8, l, d, seed=2, dtype=dtype)
+    with chunked_attention.SETTINGS.override(select_group_bytes=0):
+        alone = select_blocks(q, kc, lse, MIXED_CU, cu_cmp, l, d, lb, n)
+    assert torch.equal(select_blocks(q, kc, lse, MIXED_CU, cu_cmp, l, d, lb, n), alone)
+
+
+@pytest.mark.parametrize("chunk_bytes, group_bytes", [(16 << 20, 2 << 20), (3000, 2 << 20), (3000, 300)])
+def test_plan_covers_every_sequence_once_within_a_chunk(chunk_bytes, group_bytes):
+    l, row_bytes, D = 8, 32, 8  # N1 = 4 heads of float64, Dqk 8
+    lens = MIXED_LENGTHS
+    cmp = [0 if L < l else (L - l) // 4 + 1 for L in lens]
+    cu_cmp = [sum(cmp[:i]) for i in range(len(cmp) + 1)]
+    alone, batches, width = _plan(MIXED_CU, cu_cmp, l, row_bytes, D, chunk_bytes, group_bytes)
+    cap = chunk_bytes // row_bytes
+    at = {MIXED_CU[b]: b for b, L in enumerate(lens) if L}  # the non-empty sequence starting at a row
+    seen = []
+    for b in alone:
+        rows = lens[b] - (l - 1)
+        assert cmp[b] and (rows * max(cmp[b], D) > cap or rows * D * row_bytes > group_bytes)
+        seen.append(MIXED_CU[b])
+    for sees, first, rows, cfirst, counts in batches:
+        assert max(rows) < 2 * min(rows)  # one class: padding less than doubles a row count
+        assert len(rows) == 1 or max(rows) * len(rows) * (max(max(counts), D) if sees else 1) <= cap
+        for f, r, cf, c in zip(first, rows, cfirst, counts):
+            b = at[f - (l - 1) if sees else f]
+            assert (r, bool(cmp[b])) == ((lens[b] - (l - 1), True) if sees else (lens[b], False))
+            assert not sees or (cf, c) == (cu_cmp[b], cmp[b])
+            assert not sees or (r * max(c, D) <= cap and r * D * row_bytes <= group_bytes)  # else alone
+            seen.append(MIXED_CU[b])
+    assert sorted(seen) == sorted(at)  # each non-empty sequence once
+    assert width == l - 1
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_work_does_not_grow_with_the_sequences():
+    # 30 or 300 sequences of the same short lengths (none, one and several blocks, empty ones): the same torch calls,
+    # one batch per class of rows that see a block (1; 5; 9, 10, 13; 24; 33: five products)
+    l, d = 8, 4
+    counts = []
+    for B in (3, 30):
+        cu = [sum(([0, 5, 8, 12, 20, 31, 40, 0, 3, 17] * B)[:i]) for i in range(10 * B + 1)]
+        q, kc, lse, cu_cmp = _setup(cu, 2, 1, 8, l, d)
+        with _CountOps() as c:
+            select_blocks(q, kc, lse, cu, cu_cmp, l, d, 16, 4)
+        counts.append(c.ops)
+    assert counts[0] == counts[1]
+    assert counts[1][torch.ops.aten.bmm] == 5
 
 
 def test_ties_go_to_the_lower_block():

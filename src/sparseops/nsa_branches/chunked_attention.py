@@ -48,6 +48,11 @@ class ChunkSettings:
     chunk_entry_ns: float = 0.2
     #: a chunk's fixed cost (its Python, small tensors and calls, forward and backward)
     chunk_call_ns: float = 200_000.0
+    #: ``select_blocks``: a sequence whose queries that see a compressed block take at most this many bytes (rows x
+    #: N1 x Dqk in the score dtype) is scored with sequences of like length in one padded batch, a larger one alone:
+    #: gathering its rows into a batch would cost more than a chunk's fixed cost (docs/perf.md, "select_blocks: batches
+    #: of sequences")
+    select_group_bytes: int = 2 << 20
 
 
 SETTINGS = Settings(ChunkSettings())

@@ -104,42 +104,148 @@ def select_blocks(
 
 
 def _select(q, k_cmp, lse, cu, cu_cmp, l, d, lb, n, init, local, scale):
-    T, N1, _ = q.shape
+    """The selection by chunks (docs/nsa-module.md, "How it is computed"): a sequence that needs several chunks, or
+    whose rows are too many to gather, runs alone by row chunks; the others run in padded batches of sequences of
+    like length (:func:`_plan`). The Python work grows with the chunks and the length classes, not with the
+    sequences, and no shape depends on the data (one graph under ``torch.compile``)."""
+    T, N1, D = q.shape
     n2 = k_cmp.shape[1]
+    cfg = _ca.SETTINGS.get()
     cdt = stats_dtype(q.dtype)
-    dev = q.device
-    out = torch.full((T, n2, n), -1, dtype=torch.int32, device=dev)
-    budget = _ca.SETTINGS.get().chunk_bytes
     elt = 8 if cdt == torch.float64 else 4
+    dev = q.device
+    out = torch.full((T + 1, n2, n), -1, dtype=torch.int32, device=dev)  # row T takes the padding rows' writes
     lse_safe = torch.where(lse == float("-inf"), float("inf"), lse.to(cdt))
-    for b in range(len(cu) - 1):
-        st, L, c, C = cu[b], cu[b + 1] - cu[b], cu_cmp[b], cu_cmp[b + 1] - cu_cmp[b]
-        rows = max(1, budget // (N1 * elt * max(C, 1)))
+    rule = (l, d, lb, n, init, local)
+    alone, batches, width = _plan(cu, cu_cmp, l, N1 * elt, D, cfg.chunk_bytes, cfg.select_group_bytes)
+    for b in alone:
+        st, L, c = cu[b], cu[b + 1] - cu[b], cu_cmp[b]
+        rows = max(1, cfg.chunk_bytes // (N1 * elt * max(cu_cmp[b + 1] - c, 1)))
         for p0 in range(0, L, rows):
             p1 = min(L, p0 + rows)
-            tq = p1 - p0
-            nsel = (p1 - 1) // lb + 1
-            pos = torch.arange(p0, p1, device=dev)
-            if C > 0 and p1 - 1 >= l - 1:
-                nv = (p1 - 1 - (l - 1)) // d + 1
-                chunk = (st + p0, st + p1, c, c + nv, p0, l - 1)
-                qh = _ca._heads_first(q[st + p0:st + p1].to(cdt), n2) * scale
-                sc = _ca._scores(qh, k_cmp[c:c + nv].to(cdt), chunk, tq)
-                lc = lse_safe[st + p0:st + p1].view(tq, n2, -1).transpose(0, 1)[..., None]
-                P = _ca._exp_(sc.sub_(lc), _ca._edges(chunk, d, None, tq, dev), exp_floor(cdt))
-                P = P.sum(2).transpose(0, 1)  # [tq, N2, nv]
-                S = block_importance(P, l, d, lb, nsel)
-            else:
-                S = torch.zeros((tq, n2, nsel), dtype=cdt, device=dev)
-            blk = torch.arange(nsel, device=dev)
-            cur = (pos // lb)[:, None]
-            cand = blk[None, :] <= cur
-            forced = cand & ((blk[None, :] < init) | (blk[None, :] > cur - local))
-            S = S.masked_fill(forced[:, None, :], float("inf")).masked_fill(~cand[:, None, :], float("-inf"))
-            # the first n of a stable descending sort (ties to the lower block), without sorting every block
-            order = stable_topk(S.reshape(-1, nsel), min(n, nsel)).view(tq, n2, -1)
-            ids = torch.where(cand.sum(1)[:, None, None] > torch.arange(order.shape[-1], device=dev), order, nsel)
-            ids = ids.sort(-1).values
-            ids = torch.where(ids == nsel, -1, ids).to(torch.int32)
+            nv = max(0, (p1 - 1 - (l - 1)) // d + 1)
+            qh = _ca._heads_first(q[st + p0:st + p1].to(cdt), n2) * scale if nv else None
+            S = _scores(qh, k_cmp[c:c + nv], lse_safe[st + p0:st + p1][None], p0, rule)
+            ids = _pick(S, torch.arange(p0, p1, device=dev), rule)
             out[st + p0:st + p1, :, :ids.shape[-1]] = ids
-    return out
+    if width:
+        # positions < l - 1 see no block and score 0 everywhere: their ids depend on the position only
+        table = _pick(torch.zeros((width, n2, (width - 1) // lb + 1), dtype=cdt, device=dev),
+                      torch.arange(width, device=dev), rule)
+    for sees, first, rows, cfirst, counts in batches:
+        if not sees:
+            _put(out, first, rows, max(rows), table)
+            continue
+        if l > 1:
+            _put(out, [f - (l - 1) for f in first], [l - 1] * len(first), l - 1, table)
+        _batch(q, k_cmp, lse_safe, out, first, rows, cfirst, counts, scale, rule)
+    return out[:T]
+
+
+def _plan(cu, cu_cmp, l, row_bytes, D, chunk_bytes, group_bytes):
+    """``(alone, batches, width)``: the sequences that run alone; batches ``(sees, first, rows, cfirst, counts)``,
+    lists over their sequences: with blocks (``sees``) their ``rows`` rows from position ``l - 1`` on at ``first``
+    and their ``counts`` blocks at ``cfirst``, else all their ``rows`` rows at ``first``; ``width``, the positions
+    that the table of rows that see no block holds.
+
+    A sequence runs alone when its rows times ``max(C, Dqk)`` exceed one chunk (``chunk_bytes`` of scores or of
+    queries, ``row_bytes`` per row and entry) or its rows' queries ``group_bytes``. The others go by classes of
+    ``(2**(k-1), 2**k]`` rows, with blocks or without, sorted by rows: a batch pads to its longest (less than twice
+    as long) and holds at most one chunk. A function of Python ints that returns Python ints: ``torch.compile``
+    calls it when it traces and keeps the result as constants, as it keeps ``cu_seqlens`` (marked as
+    ``_settings._reader`` is)."""
+    starts, cstarts = torch.tensor(cu), torch.tensor(cu_cmp)
+    lens, counts = starts.diff(), cstarts.diff()
+    sees = counts > 0
+    rows = torch.where(sees, lens - (l - 1), lens)
+    cap = chunk_bytes // row_bytes
+    alone = sees & ((rows * counts.clamp(min=D) > cap) | (rows * D * row_bytes > group_bytes))
+    rest = (~alone & (lens > 0)).nonzero().flatten()
+    rest = rest[rows[rest].sort(stable=True).indices]
+    key = sees[rest] * 64 + torch.searchsorted(2 ** torch.arange(63), rows[rest])  # 64 * sees + ceil(log2(rows))
+    key, order = key.sort(stable=True)
+    rest = rest[order]
+    sizes = key.unique_consecutive(return_counts=True)[1]
+    first = (starts[rest] + sees[rest] * (l - 1)).tolist()
+    r, s, c, cf = rows[rest].tolist(), sees[rest].tolist(), counts[rest].tolist(), cstarts[rest].tolist()
+    batches, a = [], 0
+    for size in sizes.tolist():
+        last = a + size - 1
+        m = max(1, cap // (r[last] * (max(c[last], D) if s[last] else 1)))
+        for g0 in range(a, a + size, m):
+            g = slice(g0, min(a + size, g0 + m))
+            batches.append((s[last], first[g], r[g], cf[g], c[g]))
+        a += size
+    width = l - 1 if any(s) else max(r, default=0)
+    return alone.nonzero().flatten().tolist(), batches, width
+
+
+_plan._dynamo_marked_constant = True
+
+
+def _put(out, first, lens, width, table):
+    """Rows ``first[i] + p`` for ``p < lens[i]`` (lists) get ``table[p]``, the ids of position p when no block is
+    seen; ``width >= max(lens)``."""
+    first, lens = torch.tensor(first), torch.tensor(lens)
+    p = torch.arange(width)
+    dst = torch.where(p < lens[:, None], first[:, None] + p, out.shape[0] - 1).flatten().to(out.device)
+    k = table.shape[-1]
+    out[dst, :, :k] = table[:width].expand(len(first), *table[:width].shape).reshape(-1, *table.shape[1:])
+
+
+def _batch(q, k_cmp, lse_safe, out, first, rows, cfirst, counts, scale, rule):
+    """Selects for ``m`` sequences at once: sequence i's ``rows[i]`` rows from ``first[i]`` (positions ``l - 1``
+    on) and its ``counts[i]`` blocks from ``cfirst[i]`` (lists), padded to the longest by repeating its last row and
+    block: a padded row writes to ``out``'s last row, and a padded block lies after the blocks that a row of its
+    sequence sees, so the positional rule hides it."""
+    l, n2, dev = rule[0], k_cmp.shape[1], q.device
+    m, tq, nv = len(rows), max(rows), max(counts)
+    first, rows, cfirst, counts = (torch.tensor(x) for x in (first, rows, cfirst, counts))
+    r = torch.arange(tq)
+    tok = (first[:, None] + torch.minimum(r[None, :], rows[:, None] - 1)).flatten().to(dev)  # [m * tq]
+    blocks = cfirst[None, :] + torch.minimum(torch.arange(nv)[:, None], counts[None, :] - 1)  # [nv, m]
+    # the gathered rows are this function's own: scaled in place, no second copy
+    qh = _ca._heads_first(q.index_select(0, tok).to(lse_safe.dtype).view(m, tq, *q.shape[1:]), n2).mul_(scale)
+    kc = k_cmp.index_select(0, blocks.flatten().to(dev)).view(nv, m * n2, -1)
+    S = _scores(qh, kc, lse_safe.index_select(0, tok).view(m, tq, -1), l - 1, rule)
+    ids = _pick(S, torch.arange(l - 1, l - 1 + tq, device=dev).repeat(m), rule)
+    dst = torch.where(r[None, :] < rows[:, None], first[:, None] + r, out.shape[0] - 1).flatten().to(dev)
+    out[dst, :, :ids.shape[-1]] = ids
+
+
+def _scores(qh, kc, lc, p0, rule):
+    """Eq. 9 for ``m`` sequences' queries at positions ``p0 .. p0 + Tq - 1``: ``qh [m*N2, Tq*G, Dqk]`` scaled
+    (:func:`~sparseops.nsa_branches.chunked_attention._heads_first`), their blocks ``kc [nv, m*N2, Dqk]`` (sequence
+    i's KV heads at ``i*N2 ..``), ``lc [m, Tq, N1]`` the log-sum-exp (``inf`` where nothing is visible); returns
+    ``S [m*Tq, N2, nsel]`` in lc's dtype, ``nsel`` the blocks up to the last position."""
+    l, d, lb = rule[:3]
+    m, tq = lc.shape[:2]
+    nv, n2 = kc.shape[0], kc.shape[1] // m
+    cdt, dev = lc.dtype, lc.device
+    nsel = (p0 + tq - 1) // lb + 1
+    if nv == 0:
+        return torch.zeros((m * tq, n2, nsel), dtype=cdt, device=dev)
+    chunk = (0, tq, 0, nv, p0, l - 1)
+    sc = _ca._scores(qh, kc.to(cdt), chunk, tq)  # [m*N2, Tq, G, nv]
+    lc = lc.view(m, tq, n2, -1).transpose(1, 2).reshape(m * n2, tq, -1)[..., None]
+    P = _ca._exp_(sc.sub_(lc), _ca._edges(chunk, d, None, tq, dev), exp_floor(cdt))
+    P = P.sum(2).view(m, n2, tq, nv).transpose(1, 2)  # [m, Tq, N2, nv]
+    return block_importance(P, l, d, lb, nsel).view(m * tq, n2, nsel)
+
+
+def _pick(S, pos, rule):
+    """``ids [R, N2, min(n, nsel)]`` int32 from the scores ``S [R, N2, nsel]`` of rows at positions ``pos [R]``: the
+    forced blocks, then the best candidates (ties to the lower block), ascending, ``-1`` past the candidates."""
+    _, _, lb, n, init, local = rule
+    R, n2, nsel = S.shape
+    dev = S.device
+    blk = torch.arange(nsel, device=dev)
+    cur = (pos // lb)[:, None]
+    cand = blk[None, :] <= cur
+    forced = cand & ((blk[None, :] < init) | (blk[None, :] > cur - local))
+    S = S.masked_fill(forced[:, None, :], float("inf")).masked_fill(~cand[:, None, :], float("-inf"))
+    # the first n of a stable descending sort (ties to the lower block), without sorting every block
+    order = stable_topk(S.reshape(-1, nsel), min(n, nsel)).view(R, n2, -1)
+    ids = torch.where(cand.sum(1)[:, None, None] > torch.arange(order.shape[-1], device=dev), order, nsel)
+    ids = ids.sort(-1).values
+    return torch.where(ids == nsel, -1, ids).to(torch.int32)
