@@ -52,7 +52,7 @@ class ChunkSettings:
     #: N1 x Dqk in the score dtype) is scored with sequences of like length in one padded batch, a larger one alone:
     #: gathering its rows into a batch would cost more than a chunk's fixed cost (docs/perf.md, "select_blocks: batches
     #: of sequences")
-    select_group_bytes: int = 2 << 20
+    select_group_bytes: int = 8 << 20
 
 
 SETTINGS = Settings(ChunkSettings())
