@@ -78,8 +78,9 @@ def plan_chunks(cu: list[int], causal: bool, pair_bytes: int, budget: int) -> li
 
 
 class _Chunk:
-    """One chunk's target ``p [C, W]`` (no gradient) and the indexer's scores ``I [C, W]`` (-inf at the keys the
-    rows do not see), with the indexer's ``relu`` dots ``[C, Hi, W]`` for the backward."""
+    """One chunk's target ``p [C, W]`` (no gradient) and the indexer's scores ``I [C, W]`` (the dtype's lowest
+    finite value at the keys the rows do not see: no weight in a softmax, and ``p * I = 0`` there), with the
+    indexer's ``relu`` dots ``[C, Hi, W]`` for the backward, all in the run's buffers."""
 
     def __init__(self, run: _Run, t0: int, t1: int, k0: int, k1: int):
         q, k, q_idx, k_idx, w = run.q, run.k, run.q_idx, run.k_idx, run.weights
@@ -87,47 +88,59 @@ class _Chunk:
         N1, D = q.shape[1], q.shape[2]
         N2 = k.shape[1]
         Hi, Di = q_idx.shape[1], q_idx.shape[2]
-        dev = q.device
-        see = run.seq[t0:t1, None] == run.seq[None, k0:k1]
-        if run.causal:  # only keys at or before each row
-            see &= torch.arange(k0, k1, device=dev)[None, :] <= torch.arange(t0, t1, device=dev)[:, None]
+        self.C, self.W = C, W
         # the main attention's logits [N1, C, W]: head h = n2 * G + g against k's head n2
         qs = torch.mul(q[t0:t1], run.scale).transpose(0, 1).reshape(N2, N1 // N2 * C, D)
-        x = torch.bmm(qs, k[k0:k1].permute(1, 2, 0), out=run.xbuf[:N1 * C * W].view(N2, -1, W)).view(N1, C, W)
-        hide = ~see
+        x = torch.bmm(qs, k[k0:k1].permute(1, 2, 0), out=run.buf("x", C * W, N1).view(N2, -1, W)).view(N1, C, W)
+        d = torch.mm(q_idx[t0:t1].reshape(C * Hi, Di), k_idx[k0:k1].T, out=run.buf("d", C * W, Hi).view(C * Hi, W))
+        self.dots = d.view(C, Hi, W).relu_()
+        self.scores = torch.bmm(w[t0:t1, None, :], self.dots, out=run.buf("s", C * W).view(C, 1, W)).view(C, W)
         # the keys every row sees, [a, b) (the last row's sequence start to the first row's last key), need no mask
         a = run.cu[bisect_right(run.cu, t1 - 1) - 1] - k0
         b = (t0 + 1 if run.causal else run.cu[bisect_right(run.cu, t0)]) - k0
         for lo, hi in ((0, a), (b, W)) if a < b else ((0, W),):
             if lo < hi:
-                x[:, :, lo:hi].masked_fill_(hide[:, lo:hi], _NEG_INF)
+                n = C * (hi - lo)
+                hide = torch.ne(run.seq[t0:t1, None], run.seq[None, k0 + lo:k0 + hi],
+                                out=run.buf("hide", n, dtype=torch.bool).view(C, hi - lo))
+                if run.causal:  # only keys at or before each row
+                    hide.logical_or_(torch.gt(run.pos[None, k0 + lo:k0 + hi], run.pos[t0:t1, None],
+                                              out=run.buf("later", n, dtype=torch.bool).view(C, hi - lo)))
+                x[:, :, lo:hi].masked_fill_(hide, _NEG_INF)
+                self.scores[:, lo:hi].masked_fill_(hide, torch.finfo(x.dtype).min)
         x.sub_(x.amax(dim=2, keepdim=True)).exp_()
         x.div_(x.sum(dim=2, keepdim=True))
-        self.p = x.mean(dim=0)  # [C, W], 0 where unseen
-        d = torch.mm(q_idx[t0:t1].reshape(C * Hi, Di), k_idx[k0:k1].T, out=run.dbuf[:C * Hi * W].view(C * Hi, W))
-        self.dots = d.view(C, Hi, W).relu_()
-        self.scores = torch.bmm(w[t0:t1, None, :], self.dots)[:, 0].masked_fill_(hide, _NEG_INF)
+        self.p = torch.mean(x, dim=0, out=run.buf("p", C * W).view(C, W))  # 0 where unseen
 
 
 class _Run:
-    """One call's inputs in the arithmetic dtype, its chunk plan, each token's sequence id and the work buffers,
-    written with ``out=`` chunk after chunk (a fresh tensor per chunk faults its pages in), sized by the largest
-    chunk."""
+    """One call's inputs in the arithmetic dtype, its chunk plan, each token's sequence id and position, and its
+    work buffers: every ``[rows, keys]`` tensor of a chunk is written with ``out=`` into a buffer of the call,
+    sized by the largest chunk (a fresh tensor per chunk faults its pages in)."""
 
     def __init__(self, q, k, q_idx, k_idx, weights, scale, cu, causal, budget, acc):
         T, N1 = q.shape[:2]
         Hi = q_idx.shape[1]
         elt = torch.finfo(acc).bits // 8
         dev = q.device
+        self.acc, self.dev = acc, dev
         self.q, self.k, self.q_idx, self.k_idx, self.weights = (t.to(acc) for t in (q, k, q_idx, k_idx, weights))
         self.scale, self.cu, self.causal = scale, cu, causal
-        # per (row, key): N1 logits, Hi dots, the scores, p, the log-probabilities, the KL terms, the mask
-        self.chunks = plan_chunks(cu, causal, (N1 + Hi + 4) * elt + 1, budget)
+        # per (row, key): N1 logits, Hi dots, the scores, p and two work values (acc), two masks (bool)
+        self.chunks = plan_chunks(cu, causal, (N1 + Hi + 4) * elt + 2, budget)
         self.seq = torch.repeat_interleave(torch.arange(len(cu) - 1, device=dev),
                                            torch.tensor(cu, device=dev).diff(), output_size=T)
-        cw = max((t1 - t0) * (k1 - k0) for t0, t1, k0, k1 in self.chunks)
-        self.xbuf = torch.empty(N1 * cw, dtype=acc, device=dev)
-        self.dbuf = torch.empty(Hi * cw, dtype=acc, device=dev)
+        self.pos = torch.arange(T, device=dev)
+        self.pairs = max((t1 - t0) * (k1 - k0) for t0, t1, k0, k1 in self.chunks)
+        self.bufs: dict[str, torch.Tensor] = {}
+
+    def buf(self, name: str, n: int, per_pair: int = 1, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The first ``n * per_pair`` elements of the buffer ``name``: ``per_pair`` values for each (row, key) of
+        the largest chunk, allocated on first use."""
+        b = self.bufs.get(name)
+        if b is None:
+            b = self.bufs[name] = torch.empty(per_pair * self.pairs, dtype=dtype or self.acc, device=self.dev)
+        return b[:n * per_pair]
 
 
 @without_autocast  # the products in the arithmetic dtype, which autocast would lower
@@ -140,12 +153,13 @@ def _forward(q, k, q_idx, k_idx, weights, scale, cu, causal, budget):
     total = torch.zeros((), dtype=acc, device=q.device)
     for t0, t1, k0, k1 in run.chunks:
         c = _Chunk(run, t0, t1, k0, k1)
-        m = torch.logsumexp(c.scores, dim=1)
+        C, W = c.C, c.W
+        mx = c.scores.amax(dim=1, keepdim=True)
+        m = torch.sub(c.scores, mx, out=run.buf("w1", C * W).view(C, W)).exp_().sum(dim=1).log_().add_(mx[:, 0])
         lse[t0:t1] = m
-        p = c.p
-        live = p > 0
-        kl = torch.where(live, p * (torch.log(torch.where(live, p, 1.0)) - (c.scores - m[:, None])), 0.0)
-        total += kl.sum()
+        # p (log p - I + lse) per key, 0 where p = 0
+        pi = torch.sub(c.scores, m[:, None], out=run.buf("w1", C * W).view(C, W)).mul_(c.p)
+        total += torch.special.xlogy(c.p, c.p, out=run.buf("w2", C * W).view(C, W)).sub_(pi).sum()
     return total / T, lse
 
 
@@ -161,11 +175,12 @@ def _backward(q, k, q_idx, k_idx, weights, lse, g, scale, cu, causal, budget):
     dw = torch.empty(weights.shape, dtype=acc, device=q.device)
     gt = g.to(acc) / T
     for t0, t1, k0, k1 in run.chunks:
-        C, W = t1 - t0, k1 - k0
         c = _Chunk(run, t0, t1, k0, k1)
+        C, W = c.C, c.W
         # d/dI of sum_s p (log p - I + lse(I)) = softmax(I) * mass(p) - p
-        ds = torch.exp(c.scores - lse[t0:t1, None]).mul_(c.p.sum(dim=1, keepdim=True)).sub_(c.p).mul_(gt)
-        dw[t0:t1] = torch.bmm(c.dots, ds[:, :, None])[:, :, 0]
+        ds = torch.sub(c.scores, lse[t0:t1, None], out=run.buf("w1", C * W).view(C, W)).exp_()
+        ds.mul_(c.p.sum(dim=1, keepdim=True)).sub_(c.p).mul_(gt)
+        torch.bmm(c.dots, ds[:, :, None], out=dw[t0:t1, :, None])
         dr = c.dots.sign_().mul_(run.weights[t0:t1, :, None]).mul_(ds[:, None, :]).view(C * Hi, W)  # [x>0] w ds
         torch.mm(dr, run.k_idx[k0:k1], out=dq[t0:t1].view(C * Hi, Di))
         dk[k0:k1].addmm_(dr.T, run.q_idx[t0:t1].reshape(C * Hi, Di))
