@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sparseops.dsa import indexer_kl_loss, indexer_topk
 from sparseops.nn import DeepSeekSparseAttention
 from sparseops.testing import assert_close
 
@@ -115,6 +116,69 @@ def test_causal_and_packing_invariant():
     assert_close(m(x[12:]), y[12:], torch.float64)
 
 
+WARMUP_CASES = [  # (cfg, cu_seqlens)
+    pytest.param(dict(num_heads=4, num_kv_heads=1, head_dim=8, v_head_dim=6, index_heads=3, index_head_dim=4,
+                      rope_theta=100.0), [0, 0, 7, 7, 19], id="mqa-rope-empty-seqs"),
+    pytest.param(dict(num_heads=80, num_kv_heads=2, head_dim=4, index_heads=2, index_head_dim=4), [0, 9, 21],
+                 id="G40-repeated-kv-heads"),  # the dense attention's groups hold at most 32 query heads
+]
+
+
+@pytest.mark.parametrize("cfg, cu", WARMUP_CASES)
+def test_dense_warmup_is_the_every_key_selection(cfg, cu):
+    """``dense_warmup``: y, the indexer loss, dx and every parameter's gradient those of the same layer selecting
+    every visible key (topk = the longest sequence, checked against the oracles above), in float64; its topk
+    unused, its info the loss alone."""
+    torch.manual_seed(0)
+    longest = max(b - a for a, b in zip(cu[:-1], cu[1:]))
+    m = DeepSeekSparseAttention(12, **cfg, topk=longest, dtype=torch.float64)
+    warm = copy.deepcopy(m)
+    warm.dense_warmup, warm.topk = True, 1
+    x = torch.randn(cu[-1], 12, dtype=torch.float64)
+    gy = torch.randn(cu[-1], 12, dtype=torch.float64)
+    got = []
+    for mod in (warm, m):
+        xi = x.clone().requires_grad_()
+        y, info = mod(xi, cu, return_info=True)
+        ((y * gy).sum() + info["indexer_loss"]).backward()
+        got.append((y, info, xi.grad, {n: p.grad for n, p in mod.named_parameters()}))
+    (y, info, dx, grads), (y_ref, info_ref, dx_ref, grads_ref) = got
+    assert set(info) == {"indexer_loss"} and "dense_warmup=True" in repr(warm)
+    assert_close(y, y_ref, name="y")
+    assert_close(info["indexer_loss"], info_ref["indexer_loss"], name="indexer_loss")
+    assert_close(dx, dx_ref, name="dx")
+    for n, g in grads.items():
+        assert_close(g, grads_ref[n], name=f"d{n}")
+
+
+def test_dense_warmup_past_2048_tokens():
+    """The warm-up at 2100 tokens, past the 2048 keys the selected attention takes: y the dense causal attention
+    (SDPA per sequence) and the indexer loss and its gradients those of indexer_kl_loss over every listed key, in
+    float64."""
+    torch.manual_seed(0)
+    m = DeepSeekSparseAttention(8, 2, 1, 4, topk=16, index_heads=1, index_head_dim=4, dense_warmup=True,
+                                dtype=torch.float64)
+    cu = [0, 2090, 2100]
+    x = torch.randn(cu[-1], 8, dtype=torch.float64)
+    y, info = m(x, cu, return_info=True)
+    info["indexer_loss"].backward()
+    got = {n: p.grad.clone() for n, p in m.named_parameters() if n.startswith("index_")}
+    m.zero_grad()
+    with torch.no_grad():
+        q = m.q_proj(x).view(-1, 2, 4)
+        k, v = m.kv_proj(x).view(-1, 1, 8).split([4, 4], dim=-1)
+        o = torch.cat([F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
+                                                      v[a:b].transpose(0, 1), is_causal=True, enable_gqa=True)
+                       for a, b in zip(cu[:-1], cu[1:])], dim=1).transpose(0, 1)
+    assert_close(y, m.o_proj(o.reshape(-1, 8)), name="y")
+    indices, scores = indexer_topk(*m.indexer(x, None), 2090, cu_seqlens=cu)
+    want = indexer_kl_loss(q, k, indices, scores, scale=m.scale, head_num=2, cu_seqlens=cu)
+    want.backward()
+    assert_close(info["indexer_loss"], want, name="indexer_loss")
+    for n, g in got.items():
+        assert_close(g, m.get_parameter(n).grad, name=f"d{n}")
+
+
 @pytest.mark.parametrize("kw, exc, msg", [
     (dict(topk=0), ValueError, "topk"),
     (dict(topk=2049), ValueError, "topk"),
@@ -123,6 +187,7 @@ def test_causal_and_packing_invariant():
     (dict(v_head_dim=32), ValueError, "v_head_dim"),
     (dict(rope_theta=10.0, index_head_dim=5), ValueError, "index_head_dim"),
     (dict(detach_indexer_input=1), TypeError, "detach_indexer_input"),
+    (dict(dense_warmup=None), TypeError, "dense_warmup: expected a bool"),
     (dict(dtype=torch.int32), TypeError, "dtype: expected None or one of"),
 ])
 def test_bad_config(kw, exc, msg):

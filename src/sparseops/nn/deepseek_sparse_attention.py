@@ -7,9 +7,13 @@ from torch import nn
 
 from .. import _checks
 from .._varlen import token_seq_positions
-from ..dsa import indexer_kl_loss, indexer_topk, sparse_attention
+from ..dsa import indexer_dense_kl_loss, indexer_kl_loss, indexer_topk, sparse_attention
 from ..dsa.checks import DTYPES, cu_seqlens_list
+from ..nsa_branches import sliding_window_attention
 from .rope import apply_rope
+
+#: the most query heads per KV head of the chunked dense attention (``sliding_window_attention``)
+_DENSE_MAX_G = 32
 
 
 class DeepSeekSparseAttention(nn.Module):
@@ -30,6 +34,11 @@ class DeepSeekSparseAttention(nn.Module):
     ``topk`` at least the longest sequence selects every visible key: dense attention, the paper's warm-up
     selection.
 
+    ``dense_warmup`` (an attribute, to switch stages) runs the paper's dense warm-up at any sequence length: the
+    attention is dense and causal over every visible key (chunked, never ``[T, T]``), no key is selected, and
+    ``info["indexer_loss"]`` is :func:`sparseops.dsa.indexer_dense_kl_loss` (the KL over every visible key,
+    without listing them); ``topk`` is not used.
+
     Args:
         hidden_size: model width. num_heads, num_kv_heads: ``N1``, ``N2`` with ``G = N1 / N2 <= 128``.
         head_dim, v_head_dim: ``Dqk <= 256`` and ``Dv <= Dqk`` (default ``Dqk``).
@@ -37,13 +46,14 @@ class DeepSeekSparseAttention(nn.Module):
         index_heads, index_head_dim: the indexer's ``Hi`` and ``Di``.
         rope_theta: None (no RoPE) or the RoPE base (``Dqk`` and ``Di`` even).
         detach_indexer_input: the indexer reads ``x.detach()``.
+        dense_warmup: the dense warm-up stage (dense attention, the dense indexer loss) instead of top-k keys.
         backend: of the attention op (``"auto"``, ``"torch"``, ``"reference"``).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int = 1, head_dim: int = 64,
                  v_head_dim: int | None = None, *, topk: int = 2048, index_heads: int = 4, index_head_dim: int = 64,
-                 rope_theta: float | None = None, detach_indexer_input: bool = True, backend: str = "auto",
-                 device=None, dtype=None):
+                 rope_theta: float | None = None, detach_indexer_input: bool = True, dense_warmup: bool = False,
+                 backend: str = "auto", device=None, dtype=None):
         super().__init__()
         H = _checks.check_int("hidden_size", hidden_size, lo=1)
         N1 = _checks.check_int("num_heads", num_heads, lo=1)
@@ -64,6 +74,7 @@ class DeepSeekSparseAttention(nn.Module):
                 if d % 2:
                     raise ValueError(f"{name}: expected an even size with rope_theta set, got {d}")
         self.detach_indexer_input = _checks.check_bool("detach_indexer_input", detach_indexer_input)
+        self.dense_warmup = _checks.check_bool("dense_warmup", dense_warmup)
         _checks.resolve_backend(backend, torch.device("cpu") if device is None else torch.device(device))
         _checks.check_param_dtype(dtype, DTYPES)
         self.hidden_size, self.num_heads, self.num_kv_heads = H, N1, N2
@@ -82,7 +93,8 @@ class DeepSeekSparseAttention(nn.Module):
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, v_head_dim={self.v_head_dim}, topk={self.topk}, "
-                f"index_heads={self.index_heads}, index_head_dim={self.index_head_dim}, rope_theta={self.rope_theta}")
+                f"index_heads={self.index_heads}, index_head_dim={self.index_head_dim}, rope_theta={self.rope_theta}"
+                + (", dense_warmup=True" if self.dense_warmup else ""))
 
     def indexer(self, x: torch.Tensor, pos: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(q_idx [T, Hi, Di], k_idx [T, Di], weights [T, Hi])`` of ``x`` (detached when configured), scaled."""
@@ -103,7 +115,8 @@ class DeepSeekSparseAttention(nn.Module):
         Args:
             cu_seqlens: flash-attention cumulative lengths with the leading 0, or None for one sequence.
             return_info: also return a dict with ``indices [T, topk]`` int32 (in-sequence, -1 unused),
-                ``scores [T, topk]`` (the indexer's, differentiable) and ``indexer_loss`` (0-dim).
+                ``scores [T, topk]`` (the indexer's, differentiable) and ``indexer_loss`` (0-dim); with
+                ``dense_warmup``, ``indexer_loss`` alone.
 
         Returns:
             ``y`` or ``(y, info)``.
@@ -124,6 +137,8 @@ class DeepSeekSparseAttention(nn.Module):
         y = self.o_proj(o.flatten(1))  # not T: after the eager region an int would specialise the graph
         if not return_info:
             return y
+        if indices is None:  # the dense warm-up: no key is selected
+            return y, {"indexer_loss": loss}
         return y, {"indices": indices, "scores": scores, "indexer_loss": loss}
 
     def _attend(self, cu: list[int], x, q, k, v, with_loss: bool):
@@ -133,6 +148,8 @@ class DeepSeekSparseAttention(nn.Module):
         if self.rope_theta is not None:
             pos = token_seq_positions(cu, device=x.device)[1]
             q, k = apply_rope(q, pos, self.rope_theta), apply_rope(k, pos, self.rope_theta)
+        if _checks.check_bool("dense_warmup", self.dense_warmup):
+            return self._dense(x, q, k, v, pos, cu, with_loss)
         indices, scores = indexer_topk(*self.indexer(x, pos), self.topk, cu_seqlens=cu, causal=True)
         # with the loss's target from the attention's own pass when the loss is asked for
         res = sparse_attention(q, k, v, indices, scale=self.scale, cu_seqlens=cu, return_target=with_loss,
@@ -143,6 +160,21 @@ class DeepSeekSparseAttention(nn.Module):
         loss = indexer_kl_loss(q.detach(), k.detach(), indices, scores, scale=self.scale, head_num=self.num_heads,
                                cu_seqlens=cu, target=p)
         return o, indices, scores, loss
+
+    def _dense(self, x, q, k, v, pos, cu, with_loss: bool):
+        """The warm-up stage: causal attention over every visible key, the sliding window as long as the longest
+        sequence (chunked); its groups hold at most :data:`_DENSE_MAX_G` query heads, so larger ones attend
+        repeated KV heads (the same keys and values). ``(o, None, None, loss or None)``."""
+        G = self.num_heads // self.num_kv_heads
+        rep = next(f for f in range(1, G + 1) if G % f == 0 and G // f <= _DENSE_MAX_G)
+        kr, vr = (k, v) if rep == 1 else (k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1))
+        longest = max([b - a for a, b in zip(cu[:-1], cu[1:])] + [1])
+        o = sliding_window_attention(q, kr, vr, cu, window=longest, scale=self.scale)
+        if not with_loss:
+            return o, None, None, None
+        loss = indexer_dense_kl_loss(q.detach(), k.detach(), *self.indexer(x, pos), scale=self.scale,
+                                     head_num=self.num_heads, cu_seqlens=cu)
+        return o, None, None, loss
 
 
 @torch._disable_dynamo  # torch.compiler.disable, which imports torch._dynamo at the first call, not at import
