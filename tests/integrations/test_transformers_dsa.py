@@ -155,9 +155,54 @@ def test_bad_calls():
         tdsa.dsa_attention(None, q, k, k, None, dropout=0.1, indices=idx)
     with pytest.raises(ValueError, match="indices"):
         tdsa.dsa_attention(None, q, k, k, None, indices=idx[:, :3])
-    wide = torch.zeros(1, 4, tdsa.MAX_TOPK + 1, dtype=torch.int32)  # a dense warm-up's index_topk past the limit
+    wide = torch.zeros(1, 4, tdsa.MAX_TOPK + 1, dtype=torch.int32)  # an index_topk past the limit, short of T
+    long_k = torch.randn(1, 2, tdsa.MAX_TOPK + 2, 8)
     with pytest.raises(ValueError, match=r"indices: expected at most 2048 keys per query .*index_topk.*got 2049"):
-        tdsa.dsa_attention(None, q, k, k, None, indices=wide)
+        tdsa.dsa_attention(None, q, long_k, long_k, None, indices=wide)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_dense_warmup_is_sdpa_and_the_dense_loss_the_listed_one(family):
+    """index_topk at least the sequence length (every key listed): the attention is the model's sdpa (logits and
+    every gradient), and indexer_training(dense=True)'s losses and indexer gradients equal the listed-keys ones."""
+    m = _model(family)
+    ids = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(9))
+    for mod in m.modules():
+        if isinstance(getattr(mod, "indexer", None), torch.nn.Module):
+            mod.indexer.index_topk = 64
+            with torch.no_grad():  # a peaked indexer: a KL of order 1, not the cancellation of a near match
+                mod.indexer.weights_proj.weight.mul_(30.0)
+    ours = _run(m, "sparseops", ids)
+    logits, grads = _run(m, "sdpa", ids)
+    assert_close(ours[0], logits, name="logits vs sdpa")
+    for n, g in grads.items():
+        assert_close(ours[1][n], g, name=f"d{n} vs sdpa")
+    m.set_attn_implementation("sparseops")
+    got = []
+    for dense in (True, False):
+        m.zero_grad()
+        with tdsa.indexer_training(m, dense=dense) as losses:
+            m(ids)
+        sum(losses).backward()
+        got.append((losses, {n: p.grad.clone() for n, p in m.named_parameters() if ".indexer." in n}))
+    (dense_losses, dense_grads), (listed_losses, listed_grads) = got
+    assert len(dense_losses) == len(listed_losses) >= 2
+    for a, b in zip(dense_losses, listed_losses):
+        assert_close(a, b, name="indexer loss")
+    for n, g in dense_grads.items():
+        assert_close(g, listed_grads[n], name=f"d{n}")
+    with pytest.raises(TypeError, match="dense: expected a bool"):
+        tdsa.indexer_training(m, dense=1)
+
+
+def test_every_key_past_the_limit_is_dense():
+    """2100 keys listed for 2100 queries (a warm-up's index_topk past 2048): transformers' sdpa, not refused."""
+    g = torch.Generator().manual_seed(10)
+    q, k, v = (torch.randn(1, 2, 2100, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    every = torch.arange(2100, dtype=torch.int32).expand(1, 2100, 2100)
+    out, _ = tdsa.dsa_attention(torch.nn.Module(), q, k, v, None, scaling=0.3, indices=every)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3).transpose(1, 2)
+    assert_close(out, want, name="out")
 
 
 def test_docs_indexer_training_recipe():
@@ -181,7 +226,7 @@ def test_docs_indexer_training_recipe():
     opt = torch.optim.AdamW(index_params, lr=1e-2)
     warm = []
     for _ in range(8):
-        with tdsa.indexer_training(m) as losses:
+        with tdsa.indexer_training(m, dense=True) as losses:
             m(ids)
         opt.zero_grad()
         sum(losses).backward()

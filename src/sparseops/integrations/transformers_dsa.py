@@ -4,11 +4,13 @@ Importing this module registers, through transformers' public registries:
 
 - ``AttentionInterface["sparseops"]`` = :func:`dsa_attention`: the attention of ``deepseek_v32`` and
   ``glm_moe_dsa`` over the indexer's ``indices`` with :func:`sparseops.nsa_selected_attention` at token
-  granularity, in ``O(T * topk)`` (eager folds the top-k into a dense ``[T, T]`` mask);
+  granularity, in ``O(T * topk)`` (eager folds the top-k into a dense ``[T, T]`` mask); when the indices list
+  every key (the dense warm-up), transformers' own ``sdpa`` attention;
 - ``AttentionMaskInterface["sparseops"]`` = transformers' boolean ``sdpa_mask``, which the models' indexer reads.
 
 :class:`indexer_training` trains the indexers, which transformers runs under ``no_grad``, with
-:func:`sparseops.dsa.indexer_kl_loss` (the paper's warm-up and sparse stages).
+:func:`sparseops.dsa.indexer_kl_loss` (the sparse stage) or :func:`sparseops.dsa.indexer_dense_kl_loss` (the
+dense warm-up).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import sys
 
 import torch
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..dsa import indexer_kl_loss, indexer_topk
+from ..dsa import indexer_dense_kl_loss, indexer_kl_loss, indexer_topk
 from ..nsa.api import nsa_selected_attention
 from ..nsa.checks import max_block_count
 
@@ -62,7 +65,9 @@ def dsa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
         attention_mask: the boolean ``[B, 1, S, T]`` mask of :data:`NAME`'s mask function (or an additive one,
             0 = visible), gathered at ``indices``; None: causal.
         scaling: the softmax scale (default ``Dqk^-0.5``). dropout: must be 0.
-        indices: ``[B, S, topk]`` the indexer's key positions, ``topk <= 2048``.
+        indices: ``[B, S, topk]`` the indexer's key positions, ``topk <= 2048`` unless ``topk >= T``: the models'
+            indexers keep ``min(index_topk, T)`` keys, so that lists every key (an ``index_topk`` at least the
+            sequence length: the dense warm-up), and the attention is transformers' ``sdpa`` (dense) instead.
 
     Returns:
         ``(out [B, S, N1, Dv], None)``.
@@ -78,14 +83,20 @@ def dsa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
         raise ValueError(f"indices: expected [B={B}, S={S}, topk], got {list(indices.shape)}")
     idx = indices.long()
     K = idx.shape[-1]
-    if K > MAX_TOPK:
-        raise ValueError(f"indices: expected at most {MAX_TOPK} keys per query (the op's selected_block_count limit; "
-                         f"the indexer's index_topk, which a dense warm-up sets to the sequence length: warm up on "
-                         f"at most {MAX_TOPK} tokens, docs/dsa.md), got {K}")
-    idx = torch.where(_visible(idx, attention_mask, S, T), idx, -1)
     scale = D ** -0.5 if scaling is None else float(scaling)
     q = query.transpose(1, 2).reshape(B * S, N1, D)
     k = key.transpose(1, 2).reshape(B * T, N2, D)
+    if K >= T:  # every key (the indexers' topk of min(index_topk, T) positions): dense, as the model's own sdpa
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                     **kwargs)[0]
+        if _TRAINING:
+            _TRAINING[-1]._layer_loss(module, q, k, scale, B, S, T)
+        return out, None
+    if K > MAX_TOPK:
+        raise ValueError(f"indices: expected at most {MAX_TOPK} keys per query (the op's selected_block_count limit; "
+                         f"the indexer's index_topk, unless it reaches the key count {T}: every key, dense, the "
+                         f"warm-up, docs/dsa.md), got {K}")
+    idx = torch.where(_visible(idx, attention_mask, S, T), idx, -1)
     v = value.transpose(1, 2).reshape(B * T, N2, Dv)
     topk = idx.to(torch.int32).reshape(B * S, 1, K).expand(B * S, N2, K).contiguous()
     out = nsa_selected_attention(
@@ -128,14 +139,18 @@ class indexer_training(contextlib.AbstractContextManager):  # noqa: N801  (used 
     ``with indexer_training(model) as losses: out = model(ids, labels=ids)``, then
     ``(out.loss + sum(losses)).backward()``: ``losses`` holds one :func:`sparseops.dsa.indexer_kl_loss` per layer
     with an indexer, over the keys :func:`sparseops.dsa.indexer_topk` selects from :func:`indexer_inputs` (each
-    indexer's ``index_topk``; set it to the sequence length for the dense warm-up), with the main attention's
-    queries and keys (detached) as the target. The indexer's input is detached: the losses train the indexers
-    only. The model must run ``attn_implementation="sparseops"`` on unpadded batches (``attention_mask`` None or
-    all ones), without a cache.
+    indexer's ``index_topk``), with the main attention's queries and keys (detached) as the target. With
+    ``dense=True`` (the dense warm-up) each loss is :func:`sparseops.dsa.indexer_dense_kl_loss` instead, over every
+    visible key without listing them, whatever ``index_topk``. The indexer's input is detached: the losses train
+    the indexers only. The model must run ``attn_implementation="sparseops"`` on unpadded batches
+    (``attention_mask`` None or all ones), without a cache.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, *, dense: bool = False):
+        if not isinstance(dense, bool):
+            raise TypeError(f"dense: expected a bool, got {type(dense).__name__} ({dense!r})")
         self.model = model
+        self.dense = dense
         self.losses: list[torch.Tensor] = []
         self._inputs: dict[int, tuple] = {}
         self._hooks = []
@@ -167,6 +182,10 @@ class indexer_training(contextlib.AbstractContextManager):  # noqa: N801  (used 
         hs, pe = self._inputs.pop(id(mod))
         q_idx, k_idx, w = indexer_inputs(mod, hs, pe)
         cu = [S * b for b in range(B + 1)]
+        if self.dense:
+            self.losses.append(indexer_dense_kl_loss(q.detach(), k.detach(), q_idx, k_idx, w, scale=scale,
+                                                     head_num=q.shape[1], cu_seqlens=cu))
+            return
         idx, scores = indexer_topk(q_idx, k_idx, w, mod.indexer.index_topk, cu_seqlens=cu, causal=True)
         self.losses.append(indexer_kl_loss(q.detach(), k.detach(), idx, scores, scale=scale, head_num=q.shape[1],
                                            cu_seqlens=cu))
