@@ -10,9 +10,15 @@ The two are measured in one process, after an untimed warm-up call of each (a tr
 alternating, so a loaded machine slows both alike; the load average is recorded. Goals (docs/perf.md): at least
 1.0x at T = 8192 and 3x at T = 32768.
 
+The dense warm-up's loss beside it (full runs, T = 8192; ``--warmup-lengths``): ``indexer_dense_kl_loss`` forward
+and backward against the listed-keys path it replaces, ``indexer_topk`` with ``topk = T`` and ``indexer_kl_loss``
+forward and backward, the same shapes, alternating.
+
 Correctness first: the same step at T = 96 (``topk`` 24) in float64 against dense references
-(``index_scores``, a stable sort, the masked softmax over the selected keys, the dense KL).
-Run: ``python benchmarks/dsa.py [--quick | --smoke] [--out DIR] [--threads N] [--lengths T ...]``.
+(``index_scores``, a stable sort, the masked softmax over the selected keys, the dense KL), and the dense
+warm-up loss against the listed-keys one at T = 96 in float64.
+Run: ``python benchmarks/dsa.py [--quick | --smoke] [--out DIR] [--threads N] [--lengths T ...]
+[--warmup-lengths T ...]``.
 """
 
 from __future__ import annotations
@@ -28,12 +34,19 @@ if __package__:
 else:
     import _common
 
-from sparseops.dsa import index_scores, indexer_kl_loss, indexer_topk, sparse_attention  # noqa: E402
+from sparseops.dsa import (  # noqa: E402
+    index_scores,
+    indexer_dense_kl_loss,
+    indexer_kl_loss,
+    indexer_topk,
+    sparse_attention,
+)
 from sparseops.testing import TOLERANCES, rel_rms_error  # noqa: E402
 
 NAME = "dsa"
 SHAPE = {"N1": 16, "D": 128, "topk": 2048, "Hi": 4, "Di": 64}
 GOALS = {8192: 1.0, 32768: 3.0}
+WARMUP_LENGTHS = [8192]
 
 
 def make_inputs(T, shape, dtype=torch.float32, seed=0):
@@ -79,6 +92,24 @@ def _reference(x, shape):
     return out, loss
 
 
+def warmup_dense(x, shape):
+    """The dense warm-up loss forward + backward into the indexer's inputs."""
+    D = shape["D"]
+    loss = indexer_dense_kl_loss(x["q"].detach(), x["k"].detach(), x["qi"], x["ki"], x["wi"], scale=D ** -0.5,
+                                 head_num=shape["N1"])
+    loss.backward()
+    return loss.detach()
+
+
+def warmup_listed(x, shape):
+    """The same loss over indexer_topk's every key (topk = T): the path the dense loss replaces."""
+    D, T = shape["D"], x["q"].shape[0]
+    idx, sc = indexer_topk(x["qi"], x["ki"], x["wi"], T)
+    loss = indexer_kl_loss(x["q"].detach(), x["k"].detach(), idx, sc, scale=D ** -0.5, head_num=shape["N1"])
+    loss.backward()
+    return loss.detach()
+
+
 def gate_correctness() -> list[dict]:
     shape = dict(SHAPE, N1=4, D=16, topk=24, Hi=2, Di=8)
     x = make_inputs(96, shape, torch.float64)
@@ -86,6 +117,8 @@ def gate_correctness() -> list[dict]:
     out, loss = ours(x, shape, dout)
     r_out, r_loss = _reference({n: t.detach() for n, t in x.items()}, shape)
     checks = [{"name": "out", "err": rel_rms_error(out, r_out)}, {"name": "loss", "err": rel_rms_error(loss, r_loss)}]
+    w = make_inputs(96, shape, torch.float64)
+    checks.append({"name": "warm-up loss", "err": rel_rms_error(warmup_dense(w, shape), warmup_listed(w, shape))})
     for c in checks:
         if not c["err"] <= TOLERANCES[torch.float64]:
             raise AssertionError(f"correctness gate: {c['name']} off by {c['err']:.3g} relative RMS")
@@ -112,7 +145,22 @@ def bench(T, shape, runs) -> dict:
             "runs": runs, "loadavg": _common.loadavg()}
 
 
-def table(rows, env) -> str:
+def bench_warmup(T, shape, runs) -> dict:
+    x = make_inputs(T, shape)
+    times = {"dense": [], "listed": []}
+    sides = {"dense": warmup_dense, "listed": warmup_listed}
+    for name, fn in list(sides.items()) * (runs + 1):  # the first round untimed: fresh pages
+        for t in x.values():
+            t.grad = None
+        t0 = time.perf_counter()
+        fn(x, shape)
+        times[name].append(time.perf_counter() - t0)
+    d, li = min(times["dense"][1:]), min(times["listed"][1:])
+    return {"T": T, "dense_loss_s": d, "listed_loss_s": li, "speedup": li / d, "runs": runs,
+            "loadavg": _common.loadavg()}
+
+
+def table(rows, env, warmup=()) -> str:
     lines = [f"DSA step (indexer top-k + attention fwd+bwd + indexer loss fwd+bwd) vs dense causal SDPA fwd+bwd, "
              f"fp32, MQA 16 heads, D 128, topk 2048 ({_common.env_line(env)})", "",
              "| T | ours (s) | dense SDPA (s) | speedup | goal | load average after |", "|---|---|---|---|---|---|"]
@@ -120,38 +168,53 @@ def table(rows, env) -> str:
         goal = f"{r['goal']}x" if r["goal"] else "—"
         lines.append(f"| {r['T']} | {r['ours_fwdbwd_s']:.2f} | {r['dense_fwdbwd_s']:.2f} | {r['speedup']:.2f}x | "
                      f"{goal} | {r['loadavg']} |")
+    if warmup:
+        lines += ["", "The dense warm-up's indexer loss fwd+bwd: indexer_dense_kl_loss vs indexer_topk(topk = T) + "
+                  "indexer_kl_loss", "", "| T | dense loss (s) | listed keys (s) | speedup | load average after |",
+                  "|---|---|---|---|---|"]
+        for r in warmup:
+            lines.append(f"| {r['T']} | {r['dense_loss_s']:.2f} | {r['listed_loss_s']:.2f} | {r['speedup']:.2f}x | "
+                         f"{r['loadavg']} |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = _common.make_parser(__doc__.splitlines()[0])
     p.add_argument("--lengths", type=int, nargs="*", default=None, help="override the sequence lengths")
+    p.add_argument("--warmup-lengths", type=int, nargs="*", default=None,
+                   help="override the dense warm-up loss's sequence lengths (none in --quick)")
     p.add_argument("--runs", type=int, default=None, help="timed runs per side and length (the minimum is kept)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads or 2)
     if args.report:
         rec = _common.last_record(_common.report_dir(args) / f"{NAME}.json")
-        print(table(rec["rows"], rec["env"]))
+        print(table(rec["rows"], rec["env"], rec.get("warmup", ())))
         return 0
     env = _common.environment()
     checks = gate_correctness()
     print(f"correctness gate: {len(checks)} checks within the float64 tolerance", flush=True)
     shape = dict(SHAPE)
     if args.smoke:
-        lengths, runs, shape = [128], 1, dict(SHAPE, topk=64)
+        lengths, runs, shape, warm_lengths = [128], 1, dict(SHAPE, topk=64), [128]
     elif args.quick:
-        lengths, runs = [8192], 1
+        lengths, runs, warm_lengths = [8192], 1, []
     else:
-        lengths, runs = [8192, 32768], 1
+        lengths, runs, warm_lengths = [8192, 32768], 1, WARMUP_LENGTHS
     rows = []
     for T in args.lengths or lengths:
         r = bench(T, shape, args.runs or runs)
         print(f"  T = {T}: ours {r['ours_fwdbwd_s']:.2f} s, dense {r['dense_fwdbwd_s']:.2f} s, "
               f"speedup {r['speedup']:.2f}x (load {r['loadavg']})", flush=True)
         rows.append(r)
-    print(table(rows, env))
+    warmup = []
+    for T in args.warmup_lengths if args.warmup_lengths is not None else warm_lengths:
+        r = bench_warmup(T, shape, args.runs or runs)
+        print(f"  warm-up loss, T = {T}: dense {r['dense_loss_s']:.2f} s, listed keys {r['listed_loss_s']:.2f} s, "
+              f"speedup {r['speedup']:.2f}x (load {r['loadavg']})", flush=True)
+        warmup.append(r)
+    print(table(rows, env, warmup))
     _common.save_run(NAME, "dsa", quick=args.quick, smoke=args.smoke, env=env, out=_common.out_dir(args),
-                     rows=rows, plot=None, shape=shape, checks=checks)
+                     rows=rows, plot=None, shape=shape, checks=checks, warmup=warmup)
     return 0
 
 

@@ -17,6 +17,7 @@ from benchmarks import dsa  # noqa: E402
 def test_dsa_smoke(tmp_path):
     assert dsa.main(["--smoke", "--out", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "dsa.json").read_text())[-1]
-    assert record["mode"] == "smoke" and len(record["checks"]) == 2
-    assert [r["T"] for r in record["rows"]] == [128]
+    assert record["mode"] == "smoke" and len(record["checks"]) == 3
+    assert [r["T"] for r in record["rows"]] == [128] and [r["T"] for r in record["warmup"]] == [128]
     assert all(r["ours_fwdbwd_s"] > 0 and r["dense_fwdbwd_s"] > 0 for r in record["rows"])
+    assert all(r["dense_loss_s"] > 0 and r["listed_loss_s"] > 0 for r in record["warmup"])
