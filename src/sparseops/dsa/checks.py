@@ -17,6 +17,24 @@ def cu_seqlens_list(cu, total: int) -> list[int]:
     return _varlen.cu_seqlens_list("cu_seqlens", cu, total)
 
 
+def check_attention_qk(q, k, scale, head_num) -> float:
+    """The main attention's ``q [T, N1, Dqk]`` and ``k [T, N2, Dqk]`` (one dtype, ``N2`` dividing ``N1``), its
+    ``scale`` and ``head_num = N1``, as the indexer's losses take them; returns ``scale`` as a float."""
+    q = _checks.check_tensor("q", q, ndim=3, dtypes=DTYPES)
+    k = _checks.check_tensor("k", k, ndim=3)
+    if k.dtype != q.dtype:
+        raise TypeError(f"k: expected dtype {q.dtype} (the dtype of q), got {k.dtype}")
+    T, N1, D = q.shape
+    _checks.check_shape("k", k, [("T", T), ("N2", -1), ("Dqk", D)])
+    N2 = k.shape[1]
+    if N2 < 1 or N1 % N2:
+        raise ValueError(f"k: expected N2 = k.shape[1] >= 1 dividing N1 = {N1}, got N2 = {N2}")
+    scale = _checks.check_float("scale", scale)
+    if _checks.check_int("head_num", head_num) != N1:
+        raise ValueError(f"head_num: expected N1 = q.shape[1] = {N1}, got {head_num}")
+    return scale
+
+
 def check_indexer_args(q_idx, k_idx, weights, cu_seqlens, causal) -> tuple[list[int], bool]:
     """``q_idx [T, Hi, Di]``, ``k_idx [T, Di]``, ``weights [T, Hi]`` of one floating dtype on one device;
     returns ``(cu, causal)``."""

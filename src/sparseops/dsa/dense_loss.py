@@ -19,7 +19,8 @@ import torch
 
 from .. import _checks
 from .._numerics import without_autocast
-from .checks import DTYPES, acc_dtype, check_indexer_args
+from .._varlen import token_seq_positions
+from .checks import DTYPES, acc_dtype, check_attention_qk, check_indexer_args
 
 #: bytes of one chunk's ``[rows, keys]`` work tensors, on the CPU and on other devices (where a chunk's launches
 #: cost more)
@@ -30,20 +31,9 @@ _NEG_INF = float("-inf")
 
 
 def _check(q, k, q_idx, k_idx, weights, scale, head_num, cu_seqlens, causal):
-    q = _checks.check_tensor("q", q, ndim=3, dtypes=DTYPES)
-    k = _checks.check_tensor("k", k, ndim=3)
-    if k.dtype != q.dtype:
-        raise TypeError(f"k: expected dtype {q.dtype} (the dtype of q), got {k.dtype}")
-    T, N1, D = q.shape
-    _checks.check_shape("k", k, [("T", T), ("N2", -1), ("Dqk", D)])
-    N2 = k.shape[1]
-    if N2 < 1 or N1 % N2:
-        raise ValueError(f"k: expected N2 = k.shape[1] >= 1 dividing N1 = {N1}, got N2 = {N2}")
+    scale = check_attention_qk(q, k, scale, head_num)
     _checks.check_tensor("q_idx", q_idx, ndim=3, dtypes=DTYPES)
-    _checks.check_shape("q_idx", q_idx, [("T", T), ("Hi", -1), ("Di", -1)])
-    scale = _checks.check_float("scale", scale)
-    if _checks.check_int("head_num", head_num) != N1:
-        raise ValueError(f"head_num: expected N1 = q.shape[1] = {N1}, got {head_num}")
+    _checks.check_shape("q_idx", q_idx, [("T", q.shape[0]), ("Hi", -1), ("Di", -1)])
     cu, causal = check_indexer_args(q_idx, k_idx, weights, cu_seqlens, causal)
     _checks.check_same_device(q=q, k=k, q_idx=q_idx)
     return scale, cu, causal
@@ -128,8 +118,7 @@ class _Run:
         self.scale, self.cu, self.causal = scale, cu, causal
         # per (row, key): N1 logits, Hi dots, the scores, p and two work values (acc), two masks (bool)
         self.chunks = plan_chunks(cu, causal, (N1 + Hi + 4) * elt + 2, budget)
-        self.seq = torch.repeat_interleave(torch.arange(len(cu) - 1, device=dev),
-                                           torch.tensor(cu, device=dev).diff(), output_size=T)
+        self.seq = token_seq_positions(cu, device=dev)[0]
         self.pos = torch.arange(T, device=dev)
         self.pairs = max((t1 - t0) * (k1 - k0) for t0, t1, k0, k1 in self.chunks)
         self.bufs: dict[str, torch.Tensor] = {}

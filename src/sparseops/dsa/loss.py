@@ -12,7 +12,7 @@ import torch
 from .. import _checks
 from .._numerics import exp_floor
 from ..nsa import cpu_gather
-from .checks import DTYPES, acc_dtype, check_positions, cu_seqlens_list
+from .checks import DTYPES, acc_dtype, check_attention_qk, check_positions, cu_seqlens_list
 from .indexer import EXTENSION
 
 #: bytes of one chunk's gathered keys and logits while computing the target, on the CPU (a few tokens: they stay
@@ -22,24 +22,14 @@ DEVICE_CHUNK_BYTES = 32 * 2**20
 
 
 def _check(q, k, indices, scores, scale, head_num, cu_seqlens):
-    q = _checks.check_tensor("q", q, ndim=3, dtypes=DTYPES)
-    k = _checks.check_tensor("k", k, ndim=3)
-    if k.dtype != q.dtype:
-        raise TypeError(f"k: expected dtype {q.dtype} (the dtype of q), got {k.dtype}")
+    scale = check_attention_qk(q, k, scale, head_num)
     indices = _checks.check_tensor("indices", indices, ndim=2, dtypes=_checks.INDEX_DTYPES)
     scores = _checks.check_tensor("scores", scores, ndim=2, dtypes=DTYPES)
-    T, N1, D = q.shape
-    N2 = k.shape[1]
-    _checks.check_shape("k", k, [("T", T), ("N2", -1), ("Dqk", D)])
-    if N2 < 1 or N1 % N2:
-        raise ValueError(f"k: expected N2 = k.shape[1] >= 1 dividing N1 = {N1}, got N2 = {N2}")
+    T = q.shape[0]
     _checks.check_shape("indices", indices, [("T", T), ("topk", -1)])
     _checks.check_shape("scores", scores, [("T", T), ("topk", indices.shape[1])])
     if indices.shape[1] < 1:
         raise ValueError("indices: expected topk = indices.shape[1] >= 1, got 0")
-    scale = _checks.check_float("scale", scale)
-    if _checks.check_int("head_num", head_num) != N1:
-        raise ValueError(f"head_num: expected N1 = q.shape[1] = {N1}, got {head_num}")
     _checks.check_same_device(q=q, k=k, indices=indices, scores=scores)
     cu = cu_seqlens_list(cu_seqlens, T)
     check_positions(indices, cu)
