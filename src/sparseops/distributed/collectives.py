@@ -91,17 +91,25 @@ def _exchange_sizes(x: torch.Tensor, group: Group) -> list[int]:
     """Every rank's row count of ``x``, by one small all-gather; the same exchange carries its dtype and trailing
     shape, and ranks that disagree raise together (a ``ValueError`` naming ``x``): gloo aborted the process on
     rows of another size."""
+    return [row[0] for row in _gather_with_signature(x, group, [x.shape[0]])]
+
+
+def _gather_with_signature(x: torch.Tensor, group: Group, ints: list[int], whole_shape: bool = False) -> list[list[int]]:
+    """Every rank's ``ints``, by one all-gather that also carries x's dtype and trailing dims (all dims when
+    ``whole_shape``): every rank raises the same ``ValueError`` naming ``x`` where those disagree."""
     ws, rank = group_size_rank(group)
-    sig = _signature(x)
-    mine = torch.tensor([x.shape[0], *sig], dtype=torch.int64, device=x.device)
+    sig = _signature(x) + ([x.shape[0]] if whole_shape else [])
+    mine = torch.tensor([*ints, *sig], dtype=torch.int64, device=x.device)
     out = [torch.empty_like(mine) for _ in range(ws)]
     dist.all_gather(out, mine, group=group)
     rows = [t.tolist() for t in out]
+    n = len(ints)
     for q, row in enumerate(rows):
-        if row[1:] != sig:
-            raise ValueError(f"x: expected the same dtype and trailing dims on every rank of the group, got "
-                             f"{x.dtype} {list(x.shape[1:])} on rank {rank} and another on rank {q}")
-    return [row[0] for row in rows]
+        if row[n:] != sig:
+            what = "shape" if whole_shape else "trailing dims"
+            raise ValueError(f"x: expected the same dtype and {what} on every rank of the group, got {x.dtype} "
+                             f"{list(x.shape[0 if whole_shape else 1:])} on rank {rank} and another on rank {q}")
+    return [row[:n] for row in rows]
 
 
 def checking() -> bool:
@@ -121,28 +129,18 @@ def _agree(x: torch.Tensor, group: Group, name: str, sizes: list[int], peer: Seq
     if not checking():
         return
     ws, rank = group_size_rank(group)
-    sig = _signature(x) + ([x.shape[0]] if whole_shape else [])
-    mine = torch.tensor([*sig, *sizes, *(peer or [])], dtype=torch.int64, device=x.device)
-    out = [torch.empty_like(mine) for _ in range(ws)]
-    dist.all_gather(out, mine, group=group)
-    rows = [t.tolist() for t in out]
-    n = len(sig)
-    for q, row in enumerate(rows):
-        if row[:n] != sig:
-            what = "shape" if whole_shape else "trailing dims"
-            raise ValueError(f"x: expected the same dtype and {what} on every rank of the group, got {x.dtype} "
-                             f"{list(x.shape[0 if whole_shape else 1:])} on rank {rank} and another on rank {q}")
+    rows = _gather_with_signature(x, group, [*sizes, *(peer or [])], whole_shape)
     if peer is None:
         for q, row in enumerate(rows):
-            if row[n:] != sizes:
+            if row != sizes:
                 raise ValueError(f"{name}: expected the same list on every rank of the group, got {sizes} on "
-                                 f"rank {rank} and {row[n:]} on rank {q}")
+                                 f"rank {rank} and {row} on rank {q}")
         return
     for r, row in enumerate(rows):
         for q in range(ws):
-            if row[n + q] != rows[q][n + ws + r]:
+            if row[q] != rows[q][ws + r]:
                 raise ValueError(f"{name}: expected rank {r}'s {name}[{q}] to equal what rank {q} sends it "
-                                 f"({rows[q][n + ws + r]}), got {row[n + q]}")
+                                 f"({rows[q][ws + r]}), got {row[q]}")
 
 
 def _signature(x: torch.Tensor) -> list[int]:
