@@ -84,20 +84,18 @@ def dsa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
     idx = indices.long()
     K = idx.shape[-1]
     scale = D ** -0.5 if scaling is None else float(scaling)
-    q = query.transpose(1, 2).reshape(B * S, N1, D)
-    k = key.transpose(1, 2).reshape(B * T, N2, D)
     if K >= T:  # every key (the indexers' topk of min(index_topk, T) positions): dense, as the model's own sdpa
         out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                      **kwargs)[0]
         if _TRAINING:
-            _TRAINING[-1]._layer_loss(module, q, k, scale, B, S, T)
+            _TRAINING[-1]._layer_loss(module, _packed(query), _packed(key), scale, B, S, T)
         return out, None
     if K > MAX_TOPK:
         raise ValueError(f"indices: expected at most {MAX_TOPK} keys per query (the op's selected_block_count limit; "
                          f"the indexer's index_topk, unless it reaches the key count {T}: every key, dense, the "
                          f"warm-up, docs/dsa.md), got {K}")
     idx = torch.where(_visible(idx, attention_mask, S, T), idx, -1)
-    v = value.transpose(1, 2).reshape(B * T, N2, Dv)
+    q, k, v = _packed(query), _packed(key), _packed(value)
     topk = idx.to(torch.int32).reshape(B * S, 1, K).expand(B * S, N2, K).contiguous()
     out = nsa_selected_attention(
         q, k, v, topk, scale, N1, 1, K, actual_seq_qlen=[S * (b + 1) for b in range(B)],
@@ -105,6 +103,11 @@ def dsa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
     if _TRAINING:
         _TRAINING[-1]._layer_loss(module, q, k, scale, B, S, T)
     return out.view(B, S, N1, Dv), None
+
+
+def _packed(x: torch.Tensor) -> torch.Tensor:
+    """``[B, N, S, D]`` (transformers' heads-first layout) -> ``[B*S, N, D]`` (packed tokens)."""
+    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
 
 
 def indexer_inputs(attn: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings) -> tuple:
