@@ -14,11 +14,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def fresh_python():
     """``fresh_python(code, drop_env=(), **env)``: ``code`` run by a new interpreter in the checkout's root, with its
     src/ first on the path, the variables ``drop_env`` unset and ``env`` set; the ``CompletedProcess`` (text output
-    captured, 120 s timeout)."""
+    captured, 120 s timeout). Thread-safe: a test may run several at once."""
 
     def run(code: str, drop_env: tuple[str, ...] = (), **env: str) -> subprocess.CompletedProcess:
         full = {k: v for k, v in os.environ.items() if k not in drop_env}

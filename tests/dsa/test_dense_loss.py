@@ -3,8 +3,6 @@ softmaxes and against indexer_kl_loss over indexer_topk's every visible key: for
 sequences (empty ones, one-token ones), causal and not, GQA, chunks down to one row and chunks straddling
 sequences, low-precision inputs, zero and -inf weights, bad input, and memory bounded by the chunk budget."""
 
-from pathlib import Path
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -202,11 +200,3 @@ def test_bad_input(edit, exc, msg):
     edit(a)
     with pytest.raises(exc, match=msg):
         indexer_dense_kl_loss(**a)
-
-
-def test_the_docs_example_runs():
-    """docs/dsa.md's python block under "The dense warm-up loss", as written."""
-    text = (Path(__file__).resolve().parents[2] / "docs" / "dsa.md").read_text(encoding="utf-8")
-    section = text.split("## The dense warm-up loss", 1)[1].split("\n## ", 1)[0]
-    code = section.split("```python\n", 1)[1].split("```", 1)[0]
-    exec(compile(code, "docs/dsa.md", "exec"), {})
