@@ -160,7 +160,8 @@ def test_select_equals_the_stable_sort_on_ties(E, K, kw, dtype):
         assert got.dtype == torch.int64 and torch.equal(got, _sort_select(r, scores))
 
 
-def test_stable_topk_on_nan_inf_and_signed_zeros():
+@pytest.mark.parametrize("sync", [False, True], ids=["graph", "sync"])
+def test_stable_topk_on_nan_inf_and_signed_zeros(sync):
     from sparseops._topk import stable_topk
 
     nan, inf = math.nan, math.inf
@@ -172,8 +173,10 @@ def test_stable_topk_on_nan_inf_and_signed_zeros():
         x[1] = -inf
         for k in (1, 2, 5, 13):
             want = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
-            assert torch.equal(stable_topk(x, k), want), (dtype, k)
-    assert stable_topk(torch.empty(0, 7), 3).shape == (0, 3)
+            assert torch.equal(stable_topk(x, k, sync=sync), want), (dtype, k)
+    x = torch.randn(40, 13, generator=g)  # no ties: sync's path without the cumulative count
+    assert torch.equal(stable_topk(x, 5, sync=sync), torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :5])
+    assert stable_topk(torch.empty(0, 7), 3, sync=sync).shape == (0, 3)
 
 
 def test_select_compiles_to_one_graph():

@@ -2,10 +2,9 @@
 
 Per sequence, query tokens run in chunks of :data:`CHUNK_BYTES` of score work: a chunk scores its queries
 against the keys it can see (causal: the prefix up to its last query), ``[C, Hi, S] -> [C, S]``, and keeps the
-``topk`` best keys of each row. The selection is exact with ties going to the smaller position: the ``k``-th
-largest value ``v`` of a row is found with ``topk``; the keys above ``v`` and the first ``k - #above`` keys equal
-to ``v`` (by position) are taken, then ordered by descending score with a stable sort (equal scores stay in
-position order). The returned scores are the chunk's values at those keys; their backward recomputes
+``topk`` best keys of each row. The selection is exact with ties going to the smaller position: the first ``k``
+of a stable descending sort of the row (:func:`sparseops._topk.stable_topk`, its host-synchronising path). The
+returned scores are the chunk's values at those keys; their backward recomputes
 ``w . relu(q . k)`` at the selected keys, again in chunks, and adds ``dk_idx`` with ``index_add_`` in chunk order
 (CPU: index order; bitwise repeatable), ``index_put_(accumulate=True)`` on CUDA. On the CPU C++ kernels do both
 (:data:`EXTENSION`, where it builds): the scores of a row with its keys in vector lanes and an exact
@@ -20,6 +19,7 @@ import torch
 
 from .. import _checks
 from .._cpp import TASK_BYTES, Extension
+from .._topk import stable_topk
 from .._varlen import token_key_rows
 from .checks import acc_dtype, check_indexer_args
 
@@ -32,22 +32,6 @@ BACKWARD_CHUNK_BYTES = 4 * 2**20
 EXTENSION = Extension("dsa_indexer", Path(__file__).with_name("cpu_indexer.cpp"), "the DSA indexer")
 
 _NEG_INF = float("-inf")
-
-
-def _exact_topk(sc: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(positions int64 [C, k], values [C, k])`` of each row's ``k`` largest entries, in descending value, ties
-    to the smaller position (``-inf`` entries last, in position order)."""
-    vk = sc.topk(k, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
-    take = sc >= vk
-    if not bool((take.sum(dim=1) == k).all()):  # a row with more than k keys at or above its k-th value: ties
-        above = sc > vk
-        tie = sc == vk
-        need = k - above.sum(dim=1, keepdim=True)
-        take = above | (tie & (tie.cumsum(dim=1) <= need))
-    pos = take.nonzero()[:, 1].view(sc.shape[0], k)  # row-major: each row's positions ascending
-    val = sc.gather(1, pos)
-    val, order = val.sort(dim=1, descending=True, stable=True)
-    return pos.gather(1, order), val
 
 
 def _chunk_scores(q, k, w, acc, dots_buf, sc_buf):
@@ -104,7 +88,8 @@ def _select(q_idx, k_idx, weights, topk, cu, causal):
                 later = torch.ones(c1 - c0, c1 - c0, dtype=torch.bool, device=dev).triu_(1)
                 sc[:, c0:c1].masked_fill_(later, _NEG_INF)
             kk = min(topk, nk)
-            pos, val = _exact_topk(sc, kk)
+            pos = stable_topk(sc, kk, sync=True)
+            val = sc.gather(1, pos)
             dead = val == _NEG_INF
             indices[s0 + c0:s0 + c1, :kk] = pos.masked_fill(dead, -1).to(torch.int32)
             scores[s0 + c0:s0 + c1, :kk] = val
