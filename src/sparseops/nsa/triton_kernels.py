@@ -24,6 +24,17 @@ def _qk(b_a1, b_b1, b_a2, b_b2, HAS_D2: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def _head_dims(Dqk: tl.constexpr, Dv: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
+               BLOCK_DV: tl.constexpr):
+    """The head-dim offsets and masks of a program: the two QK chunks ``o_d1``, ``o_d2`` (the second starts at
+    ``BLOCK_D1``) and the V dims ``o_dv``."""
+    o_d1 = tl.arange(0, BLOCK_D1)
+    o_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
+    o_dv = tl.arange(0, BLOCK_DV)
+    return o_d1, o_d1 < Dqk, o_d2, o_d2 < Dqk, o_dv, o_dv < Dv
+
+
+@triton.jit
 def _load_split(p, o_row, m_row, o_d1, m_d1, o_d2, m_d2, D: tl.constexpr, HAS_D2: tl.constexpr, DOT: tl.constexpr):
     """Rows ``o_row`` of a ``[*, D]`` tensor as its two head-dim chunks (the second is the first when HAS_D2
     is False), masked rows read as 0, converted to the dot dtype."""
@@ -170,13 +181,7 @@ def nsa_fwd_kernel(
     ROWS: tl.constexpr = PACK * BLOCK_G
     NKC: tl.constexpr = BLOCK_BS // BLOCK_KC
     o_r = tl.arange(0, BLOCK_KC)
-    o_d1 = tl.arange(0, BLOCK_D1)
-    o_dv = tl.arange(0, BLOCK_DV)
-    m_d1 = o_d1 < Dqk
-    m_dv = o_dv < Dv
-
-    o_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
-    m_d2 = o_d2 < Dqk
+    o_d1, m_d1, o_d2, m_d2, o_dv, m_dv = _head_dims(Dqk, Dv, BLOCK_D1, BLOCK_D2, BLOCK_DV)
     # [ROWS, BLOCK_D1], [ROWS, BLOCK_D2]
     b_q1, b_q2 = _load_split(q, o_h, m_x, o_d1, m_d1, o_d2, m_d2, Dqk, HAS_D2, DOT)
 

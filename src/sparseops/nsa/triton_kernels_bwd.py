@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_kernels import _block_keys, _load_split, _pack_block, _pack_rows, _pack_setup, _qk
+from .triton_kernels import _block_keys, _head_dims, _load_split, _pack_block, _pack_rows, _pack_setup, _qk
 
 
 @triton.jit
@@ -62,13 +62,7 @@ def nsa_bwd_dq_kernel(
     ROWS: tl.constexpr = PACK * BLOCK_G
     NKC: tl.constexpr = BLOCK_BS // BLOCK_KC
     o_r = tl.arange(0, BLOCK_KC)
-    o_d1 = tl.arange(0, BLOCK_D1)
-    o_dv = tl.arange(0, BLOCK_DV)
-    m_d1 = o_d1 < Dqk
-    m_dv = o_dv < Dv
-
-    o_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
-    m_d2 = o_d2 < Dqk
+    o_d1, m_d1, o_d2, m_d2, o_dv, m_dv = _head_dims(Dqk, Dv, BLOCK_D1, BLOCK_D2, BLOCK_DV)
     # [ROWS, BLOCK_D1], [ROWS, BLOCK_D2]
     b_q1, b_q2 = _load_split(q, o_h, m_x, o_d1, m_d1, o_d2, m_d2, Dqk, HAS_D2, DOT)
     # [ROWS, BLOCK_DV]
@@ -217,14 +211,8 @@ def nsa_bwd_dkv_kernel(
     # this program's key rows of the block
     o_r = tl.program_id(1) * BLOCK_KR + tl.arange(0, BLOCK_KR)
     m_r = o_r < nb
-    o_d1 = tl.arange(0, BLOCK_D1)
-    o_dv = tl.arange(0, BLOCK_DV)
-    m_d1 = o_d1 < Dqk
-    m_dv = o_dv < Dv
+    o_d1, m_d1, o_d2, m_d2, o_dv, m_dv = _head_dims(Dqk, Dv, BLOCK_D1, BLOCK_D2, BLOCK_DV)
     o_krow = row0 + o_r * N2
-
-    o_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
-    m_d2 = o_d2 < Dqk
     # [BLOCK_KR, BLOCK_D1], [BLOCK_KR, BLOCK_D2]
     b_k1, b_k2 = _load_split(k, o_krow, m_r, o_d1, m_d1, o_d2, m_d2, Dqk, HAS_D2, DOT)
     # [BLOCK_KR, BLOCK_DV]
