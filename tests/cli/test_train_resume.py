@@ -60,7 +60,9 @@ def _tree(root: Path) -> list[str]:
     (["--resume", "{ck}", "--recall-pairs", "3"], r"--recall-pairs: expected the checkpoint's \d+ with --resume"),
     (["--resume", "{ck}", "--data", "{saved}/t.bin"],
      "--resume: data: expected a checkpoint of a token file, got one of 'recall'"),
-    (["--resume", "{ck}", "--lr", "0.5"], r"--lr: expected the checkpoint's 0.01 with --resume .*, got 0.5"),
+    (["--resume", "{ck}", "--lr", "0.5"],
+     r"--lr: expected the checkpoint's 0.01 with --resume \(AdamW's settings come back from the checkpoint; leave the "
+     r"flag out to keep them\), got 0.5 \(checkpoint '.*step_4'\)"),
     (["--resume", "{ck}", "--weight-decay", "0.1"], r"--weight-decay: expected the checkpoint's 0.0 with --resume"),
     (["--save", "{ck}"], "--save: expected a directory with no complete checkpoint after step 0 .*holding step_2, step_4"),
     (["--resume", "{saved}/two", "--save", "{ck}"], "--save: expected .* after step 2 .*holding step_4; resume"),

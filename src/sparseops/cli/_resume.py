@@ -47,10 +47,11 @@ LEFT_OUT = _LeftOut()
 
 
 def take_saved(args: argparse.Namespace, saved: dict[str, object], flags: dict[str, str], path: str,
-               bad: type[Exception], nullable: frozenset[str] = frozenset()) -> None:
+               bad: type[Exception], nullable: frozenset[str] = frozenset(),
+               why: str = "the run it continues used it; leave the flag out to keep it") -> None:
     """Fill ``args``' flags left out with the checkpoint's values ``saved`` (``{flag: value}``); a flag given with
-    another value raises ``bad`` naming it. Left out: None, or :data:`LEFT_OUT` for the dests ``nullable`` (flags
-    that may be given as None, whose default is :data:`LEFT_OUT`)."""
+    another value raises ``bad`` naming it, with ``why`` it is refused. Left out: None, or :data:`LEFT_OUT` for the
+    dests ``nullable`` (flags that may be given as None, whose default is :data:`LEFT_OUT`)."""
     for flag, dest in flags.items():
         if flag not in saved:
             continue
@@ -58,6 +59,6 @@ def take_saved(args: argparse.Namespace, saved: dict[str, object], flags: dict[s
         if given is LEFT_OUT or (given is None and dest not in nullable):
             setattr(args, dest, value)
         elif given != value:
-            raise bad(f"--{flag}: expected the checkpoint's {value!r} with --resume (the run it continues used it; "
-                      f"leave the flag out to keep it), got {given!r} (checkpoint {path!r})")
+            raise bad(f"--{flag}: expected the checkpoint's {value!r} with --resume ({why}), got {given!r} "
+                      f"(checkpoint {path!r})")
 

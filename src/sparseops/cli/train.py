@@ -333,15 +333,11 @@ def check_run(spec, data, args: argparse.Namespace):
         data.check_state({k.rsplit(".", 1)[1]: v for k, v in saved.items() if k.startswith("train.data.")})
     except ValueError as exc:
         raise _Bad(f"--resume: {exc} in {path!r} (--data, --seq-len)") from None
-    kept = {}
-    for flag, field, key in (("--lr", "lr", groups[0]), ("--weight-decay", "weight_decay", groups[1])):
-        given = getattr(args, field)
-        if key in saved and given is not None and saved[key] != given:
-            raise _Bad(f"{flag}: expected the checkpoint's {saved[key]!r} with --resume (AdamW's settings come back "
-                       f"from {path!r}; leave the flag out to keep them), got {given!r}")
-        if key in saved:
-            kept[field] = saved[key]
-    return dataclasses.replace(spec, optim=dataclasses.replace(spec.optim, **kept))
+    optim = {"lr": "lr", "weight-decay": "weight_decay"}
+    kept = {flag: saved[key] for flag, key in zip(optim, groups) if key in saved}
+    _resume.take_saved(args, kept, optim, path, _Bad,
+                       why="AdamW's settings come back from the checkpoint; leave the flag out to keep them")
+    return dataclasses.replace(spec, optim=dataclasses.replace(spec.optim, **{optim[f]: v for f, v in kept.items()}))
 
 
 def check_outputs(args: argparse.Namespace, rank: int) -> None:
