@@ -380,6 +380,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, data_parallel: str = "f
         replicate(model, device_mesh=dims.mesh("dp", device_type),
                   ignored_modules=[la.experts for la in layers if any(id(p) in loose_ids for p in la.experts.parameters())],
                   **options)
+        # DDP built now, not at the first forward (replicate's default): it keeps the parameters that require a
+        # gradient when it is built, so one frozen before the first forward would never be all-reduced once thawed
+        replicate.state(model).lazy_init()
     setattr(model, _MARK, f"{dims}, data_parallel={data_parallel!r}")
     return model
 
