@@ -96,6 +96,12 @@ class DeepSeekSparseAttention(nn.Module):
                 f"index_heads={self.index_heads}, index_head_dim={self.index_head_dim}, rope_theta={self.rope_theta}"
                 + (", dense_warmup=True" if self.dense_warmup else ""))
 
+    def indexer_parameters(self):
+        """The indexer's parameters (``index_q_proj``, ``index_k_proj``, ``index_k_norm``, ``index_w_proj``): the
+        ones its loss trains, and the only ones the paper's dense warm-up trains (docs/dsa.md)."""
+        for m in (self.index_q_proj, self.index_k_proj, self.index_k_norm, self.index_w_proj):
+            yield from m.parameters()
+
     def indexer(self, x: torch.Tensor, pos: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(q_idx [T, Hi, Di], k_idx [T, Di], weights [T, Hi])`` of ``x`` (detached when configured), scaled."""
         T, Hi, Di = x.shape[0], self.index_heads, self.index_head_dim
