@@ -145,11 +145,15 @@ def test_config_argv_spells_out_every_setting():
     (4, ["--top-k", "5"], "--top-k: expected at most num_experts = 4, got 5"),
     (1, ["--seed", str(2**64)], "--seed: expected an int in .*, got 18446744073709551616"),
     (1, ["--autocast", "bfloat16", "--dtype", "float64"], "--autocast: expected --dtype float32 with it .*got --dtype float64"),
+    (4, ["--dsa-dense-steps", "2"], "--dsa-dense-steps: expected --attention dsa with it .*got --attention nsa"),
+    (1, ["--dsa-dense-steps", "-1"], "--dsa-dense-steps: expected an int >= 0, got -1"),
+    (4, ["--attention", "dsa", "--dsa-dense-steps", "2", "--indexer-loss-coeff", "0"],
+     "--dsa-dense-steps: expected --indexer-loss-coeff > 0 with it .*got --indexer-loss-coeff 0"),
 ], ids=["world-mismatch", "replicate-not-dividing", "ep-not-dividing-shard", "ep-not-dividing-experts",
         "batch-not-dividing", "resume-nothing", "save-every-alone", "no-steps", "timeout-under-a-ms", "timeout-overflowing", "task", "no-file", "data-a-device",
         "recall-flags-with-data", "no-cuda",
         "replicated-with-dp", "replicated-ep-1", "negative-clip", "negative-decay", "model", "seed-past-torch",
-        "autocast-float64"])
+        "autocast-float64", "dense-steps-nsa", "dense-steps-negative", "dense-steps-no-indexer-loss"])
 def test_bad_flags_exit_2_before_any_collective(tmp_path, monkeypatch, capsys, world, extra, match):
     """torchrun's environment without a rendezvous behind it: a check after init_process_group would hang or fail
     otherwise (within the 5 s --comm-timeout, the rendezvous's timeout too); the message names the flag and nothing
@@ -337,16 +341,3 @@ def test_autocast_bf16_at_w2_matches_the_one_process_autocast_run(tmp_path, one_
     # precision"): the bf16 tolerance alone would also pass the fp32 run's losses
     assert 3 * _rel(two["loss"], one["loss"]) < _rel(runs["fp32"]["loss"], one["loss"])
     assert "float32 under autocast bfloat16" in out
-
-
-@pytest.mark.distributed
-def test_dsa_two_ranks_match_the_one_process_float64_run(tmp_path, one_thread):
-    """``--attention dsa`` (DeepSeekSparseAttention with its indexer, whose KL loss is each rank's own tokens' mean):
-    the W = 2 run (FSDP, ep 2) gives the one-process float64 run's losses and recall to rounding."""
-    dsa = ["--attention", "dsa", "--dsa-topk", "8", "--index-heads", "2", "--index-head-dim", "8"]
-    assert main([*ARGV, *F64, *dsa, "--json", str(tmp_path / "one.json")]) == 0
-    rc, out, _ = torchrun(2, [*ARGV[1:], *F64, *dsa, *LAYOUT, "--json", str(tmp_path / "two.json")])
-    assert rc == 0, out
-    one, two = _json(tmp_path / "one.json"), _json(tmp_path / "two.json")
-    assert one["attention"] == two["attention"] == "dsa" and two["world_size"] == 2
-    assert _rel(two["loss"], one["loss"]) <= F64_RTOL and two["recall"] == one["recall"]

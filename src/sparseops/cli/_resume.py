@@ -2,11 +2,12 @@
 "Checkpoints and resume").
 
 A checkpoint holds the flags that define what the run computes beyond the tensors' shapes: the model (every
-``LMConfig`` flag and ``--attention``), the recall task, ``--seq-len``, ``--seed`` (the token file's order, the
-recall evaluation) and ``--global-batch`` (the token file's position is counted in steps), under
-``train.settings.<flag>``. On ``--resume`` a flag left out takes the checkpoint's value; one given with another
-value is refused (the run would silently compute something else than the run it continues). Checkpoints
-written before the settings were recorded carry none: only their shapes are checked.
+``LMConfig`` flag and ``--attention``), ``--dsa-dense-steps`` (the stage of each step), the recall task,
+``--seq-len``, ``--seed`` (the token file's order, the recall evaluation) and ``--global-batch`` (the token file's
+position is counted in steps), under ``train.settings.<flag>``. On ``--resume`` a flag left out takes the
+checkpoint's value; one given with another value is refused (the run would silently compute something else than
+the run it continues). Checkpoints written before the settings were recorded carry none: only their shapes are
+checked.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ def recorded_flags(model_fields: tuple[str, ...], recall: dict[str, str]) -> dic
     """``{flag: argparse dest}`` of the recorded flags: the model's, the recall task's and the run's."""
     flags = {name.replace("_", "-"): f"model_{name}" for name in model_fields}
     flags["attention"] = "model_attention"
+    flags["dsa-dense-steps"] = "dsa_dense_steps"
     flags.update({f"recall-{flag}": f"recall_{name}" for name, flag in recall.items()})
     flags.update({"seq-len": "seq_len", "seed": "seed", "global-batch": "global_batch"})
     return flags
@@ -30,6 +32,7 @@ def settings(spec, model_fields: tuple[str, ...], recall: dict[str, str]) -> dic
     """``{flag: value}`` of the run ``spec`` (a resolved ``RunSpec``), as its checkpoints record them."""
     out: dict[str, object] = {name.replace("_", "-"): getattr(spec.model, name) for name in model_fields}
     out["attention"] = spec.model.attention
+    out["dsa-dense-steps"] = spec.dsa_dense_steps
     if spec.task is not None:
         out.update({f"recall-{flag}": getattr(spec.task, name) for name, flag in recall.items()})
     out["seq-len"] = spec.task.seq_len if spec.task is not None else spec.seq_len

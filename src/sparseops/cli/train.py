@@ -75,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="auto: CUDA (rank LOCAL_RANK's device, NCCL + gloo) when present, else the CPU (gloo)")
     g.add_argument("--compile", action="store_true", help="train torch.compile(model) (the MoE layers eager)")
     g.add_argument("--log-every", type=int, default=10, metavar="N", help="print the loss every N steps (0: never)")
+    g.add_argument("--dsa-dense-steps", type=int, default=None, metavar="N",
+                   help="with --attention dsa: the first N steps are the dense warm-up (dense attention, every "
+                        "parameter but the indexers' frozen, the indexers trained by their dense KL loss); default 0")
     g = parser.add_argument_group("data")
     g.add_argument("--data", metavar="PATH", default=None,
                    help="a flat file of token ids (next-token prediction); default: the recall task")
@@ -175,7 +178,8 @@ def build_spec(args: argparse.Namespace, world: int):
     from ..training.loop import RunSpec
 
     for name, lo in (("steps", 1), ("global_batch", 1), ("seq_len", 1), ("warmup", 0), ("eval_sequences", 0),
-                     ("eval_batch", 1), ("threads", 1), ("log_every", 0), ("save_every", 1), ("vocab_size", 1)):
+                     ("eval_batch", 1), ("threads", 1), ("log_every", 0), ("save_every", 1), ("vocab_size", 1),
+                     ("dsa_dense_steps", 0)):
         _check_int(args, name, lo)
     if not 1 <= args.comm_timeout <= _COMM_TIMEOUT_MAX:  # torch counts it in int milliseconds
         raise _Bad(f"--comm-timeout: expected a number of seconds in [1, {_COMM_TIMEOUT_MAX}], got {args.comm_timeout}")
@@ -217,6 +221,7 @@ def build_spec(args: argparse.Namespace, world: int):
     model = dataclasses.replace(model, **{n: v for n in (*_MODEL_INT, *_MODEL_FLOAT, "attention")
                                           if (v := getattr(args, f"model_{n}")) is not LEFT_OUT
                                           and (v is not None or n == "rope_theta")})
+    dense_steps = _dense_steps(args.dsa_dense_steps, model)
     if args.replicated_tokens and args.ddp:
         raise _Bad("--ddp: expected no --ddp with --replicated-tokens (no data parallelism), got both")
     if args.replicated_tokens and (args.save or args.resume):
@@ -260,9 +265,23 @@ def build_spec(args: argparse.Namespace, world: int):
     spec = RunSpec(model=model, optim=optim, task=task, data_path=args.data, data_dtype=args.data_dtype,
                    seq_len=seq_len, dtype=getattr(torch, args.dtype), layout=layout, save_dir=args.save,
                    save_every=args.save_every, resume=resume, comm_timeout=args.comm_timeout,
-                   log_every=args.log_every, compile=args.compile,
+                   log_every=args.log_every, compile=args.compile, dsa_dense_steps=dense_steps,
                    autocast=None if args.autocast is None else getattr(torch, args.autocast))
     return dataclasses.replace(spec, settings=_resume.settings(spec, _MODEL_INT + _MODEL_FLOAT, _RECALL))
+
+
+def _dense_steps(given: int | None, model) -> int:
+    """``--dsa-dense-steps`` (None: 0) for the resolved ``model``: a warm-up needs DSA layers and an indexer loss
+    that trains them (with ``--indexer-loss-coeff 0`` the warm-up would change nothing)."""
+    if not given:
+        return 0
+    if model.attention != "dsa":
+        raise _Bad(f"--dsa-dense-steps: expected --attention dsa with it (the warm-up of DeepSeek Sparse Attention's "
+                   f"indexer), got --attention {model.attention}")
+    if model.indexer_loss_coeff == 0:
+        raise _Bad("--dsa-dense-steps: expected --indexer-loss-coeff > 0 with it (the warm-up trains the indexers by "
+                   "their loss alone), got --indexer-loss-coeff 0")
+    return given
 
 
 def _read_values(path: str, keys: list[str]) -> dict:
@@ -388,6 +407,7 @@ def _result_json(args, spec, world: int, result: dict, error: str | None) -> dic
             "resumed_from": result.get("resumed_from"), "world_size": world,
             "dims": spec.layout.dims(), "data_parallel": spec.layout.data_parallel,
             "dtype": args.dtype, "autocast": args.autocast, "attention": spec.model.attention,
+            "dsa_dense_steps": spec.dsa_dense_steps,
             "data": args.data or "recall", "recall": result.get("recall"),
             "checkpoints": result.get("checkpoints", []), "seconds": result.get("seconds"), "error": error}
 
@@ -446,6 +466,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"sparseops train: {world} rank(s), {spec.layout.dims()} {spec.layout.data_parallel}, "
               f"{spec.optim.steps} steps x {spec.optim.batch_size} sequences, {args.dtype}"
               + (f" under autocast {args.autocast}" if args.autocast else "") + f" on {device.type}"
+              + (f", DSA dense warm-up for {spec.dsa_dense_steps} steps" if spec.dsa_dense_steps else "")
               + (f", resuming from {spec.resume}" if spec.resume else ""), flush=True)
 
     def on_step(step: int, loss: float) -> None:

@@ -13,6 +13,9 @@ One step, at every layout alike (and bitwise the one-process ``sparseops.models.
         finite; AdamW step; LambdaLR step (linear warm-up, cosine to 0)
     checkpoint every S steps and at the end (training/checkpoint.py)
 
+With ``--attention dsa --dsa-dense-steps N`` the steps before N are DSA's dense warm-up: the same step with every
+DSA layer dense and every parameter but the indexers' frozen (training/dsa_warmup.py).
+
 Collectives are bounded by ``--comm-timeout``: the process group's timeout, given to every group the layout
 makes (``parallelize(timeout=)``), so a rank that stops responding makes its peers raise instead of wait
 (training/faults.py).
@@ -35,6 +38,7 @@ from ..models.recall import IGNORE_INDEX, RecallTask
 from ..models.train import TrainConfig, build_model, grad_norm_sq, lr_factor, recall
 from . import checkpoint
 from .data import RecallStream, TokenFile
+from .dsa_warmup import Stages, ddp_options
 from .faults import TrainingStopped, collective_failure, fault_from_env, inject, nonfinite_ranks
 
 #: ``Layout.data_parallel``: parallelize's two (``"fsdp"``, ``"ddp"``), or ``"none"``: expert parallelism without
@@ -85,6 +89,8 @@ class RunSpec:
     #: the forward (and the recall evaluation) under ``torch.autocast`` in this dtype; None: off
     #: (docs/training.md, "Mixed precision")
     autocast: torch.dtype | None = None
+    #: the DSA dense warm-up's steps (``attention="dsa"``): steps ``[0, dsa_dense_steps)`` train only the indexers
+    dsa_dense_steps: int = 0
     #: ``{flag: value}`` the checkpoints record (``train.settings.*``: what a resume checks its flags against;
     #: sparseops.cli._resume); empty: none recorded
     settings: dict = field(default_factory=dict)
@@ -98,11 +104,11 @@ def make_data(spec: RunSpec):
                      vocab_size=spec.model.vocab_size or None)
 
 
-def _parallelize(model: torch.nn.Module, layout: Layout, timeout: float) -> None:
+def _parallelize(model: torch.nn.Module, layout: Layout, timeout: float, ddp: dict | None = None) -> None:
     """``parallelize`` with every group of the layout given the run's timeout (DeviceMesh would create its
-    sub-groups with torch's default, 30 minutes on gloo)."""
+    sub-groups with torch's default, 30 minutes on gloo); ``ddp``: its ``ddp_options``."""
     dims = ParallelDims(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, ep=layout.ep)
-    parallelize(model, dims, data_parallel=layout.data_parallel, timeout=timeout)
+    parallelize(model, dims, data_parallel=layout.data_parallel, timeout=timeout, ddp_options=ddp)
 
 
 def train_run(spec: RunSpec, result: dict, *, device: torch.device | None = None, data=None,
@@ -131,7 +137,7 @@ def train_run(spec: RunSpec, result: dict, *, device: torch.device | None = None
     model = build_model(model_cfg, cfg.seed, spec.dtype, device, ep_group=ctx.ep_group,
                         dispatcher=layout.dispatcher)
     if world > 1 and not replicated_tokens:  # replicated tokens: the MoE layers on the world group
-        _parallelize(model, layout, spec.comm_timeout)
+        _parallelize(model, layout, spec.comm_timeout, ddp_options(spec.dsa_dense_steps, layout.data_parallel))
     run = torch.compile(model) if spec.compile else model
     named = list(model.named_parameters())
     replicated = [p for n, p in named if not expert_parameter(n)]
@@ -139,14 +145,16 @@ def train_run(spec: RunSpec, result: dict, *, device: torch.device | None = None
     opt = torch.optim.AdamW([p for _, p in named], lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     state = checkpoint.TrainState(sched, data, rank, device, spec.settings)
+    stages = Stages(model, spec.dsa_dense_steps, replicated, experts)
     result.update(steps=[], loss=[], resumed_from=None, checkpoints=[], recall=None, seconds=0.0)
     if spec.resume is not None:
+        stages.before_load(spec.resume)
         result["resumed_from"] = checkpoint.load(spec.resume, model, opt, state)
     fault = fault_from_env()
     start = time.perf_counter()
     for step in range(state.step, cfg.steps):
         try:
-            loss = _step(ctx, run, opt, sched, data, replicated, experts, step, inject(fault, step, rank))
+            loss = _step(ctx, run, opt, sched, data, *stages.enter(step), step, inject(fault, step, rank))
             state.step = step + 1
             result["steps"].append(step)
             result["loss"].append(loss)
