@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparseops.training.data import RecallStream, TokenFile, share
+from sparseops.training.data import RecallStream, TokenFile, share, shares
 
 from ..models.test_lm import TINY_TASK
 
@@ -14,20 +14,28 @@ def test_share_tiles_the_batch():
     assert [share(8, r, 4) for r in range(4)] == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
     with pytest.raises(ValueError, match="batch_size: expected a multiple of the data-parallel size 3, got 8"):
         share(8, 0, 3)
+    # micro-batch m is the sequences [m*B/M, (m+1)*B/M), and each rank takes its equal share of it
+    assert [shares(8, r, 2, 2) for r in range(2)] == [[range(0, 2), range(4, 6)], [range(2, 4), range(6, 8)]]
+    with pytest.raises(ValueError, match=r"batch_size: expected a multiple of micro_batches \* the data-parallel "
+                                         r"size = 4 \* 2, got 12"):
+        shares(12, 0, 2, 4)
 
 
 def test_recall_stream_is_the_task_stream_at_every_world_size():
-    """Step s's global batch is the s-th draw of Generator(seed), whatever the world size; shares concatenate."""
+    """Step s's global batch is the s-th draw of Generator(seed), whatever the world size and the micro-batches;
+    the shares concatenate, micro-batch after micro-batch and rank after rank within one."""
     gen = torch.Generator().manual_seed(5)
     want = [TINY_TASK.sample(4, gen) for _ in range(3)]
-    for world in (1, 2, 4):
+    for world, micro in ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2)):
         streams = [RecallStream(TINY_TASK, 4, seed=5) for _ in range(world)]
         for s in range(3):
-            parts = [st.batch(s, r, world) for r, st in enumerate(streams)]
+            per_rank = [st.batches(s, r, world, micro) if micro > 1 else [st.batch(s, r, world)]
+                        for r, st in enumerate(streams)]
+            parts = [per_rank[r][m] for m in range(micro) for r in range(world)]
             assert torch.equal(torch.cat([p.tokens for p in parts]), want[s].tokens)
             assert torch.equal(torch.cat([p.targets for p in parts]), want[s].targets)
             assert all(p.n_targets == 4 * TINY_TASK.num_queries for p in parts)
-            assert torch.equal(parts[0].cu_seqlens, torch.arange(4 // world + 1, dtype=torch.int32) * 80)
+            assert torch.equal(parts[0].cu_seqlens, torch.arange(4 // (world * micro) + 1, dtype=torch.int32) * 80)
 
 
 def test_recall_stream_state_resumes_and_rejects_a_skipped_step():
@@ -60,6 +68,9 @@ def test_token_file_windows_epochs_and_shares(tmp_path, dtype):
     other = TokenFile(path, dtype, L, B, seed=3)
     assert torch.equal(other.batch(4).tokens, data.batch(4).tokens)  # a function of (seed, step) only
     assert torch.equal(TokenFile(path, dtype, L, B, seed=3).batch(2, 2, 3).tokens, data.batch(2).tokens[2 * L:])
+    whole = TokenFile(path, dtype, L, 4, seed=3).batch(1).tokens.view(4, L)  # rank 1 of 2, micro-batches of 2
+    assert torch.equal(torch.stack([b.tokens for b in TokenFile(path, dtype, L, 4, seed=3).batches(1, 1, 2, 2)]),
+                       whole[[1, 3]])
 
 
 def test_token_file_bad_input(tmp_path):

@@ -1,7 +1,8 @@
 """The training data of ``sparseops train``: the global batch of step ``s`` as a function of ``(seed, s)`` only,
-and each data-parallel rank's share of it (docs/training.md, "Data").
+cut into ``M`` micro-batches of consecutive sequences, and each data-parallel rank's share of each micro-batch
+(:func:`share`; docs/training.md, "Data").
 
-Two sources, one interface (:meth:`batch`, :meth:`state_dict`, :meth:`load_state_dict`):
+Two sources, one interface (:meth:`batches`, :meth:`batch`, :meth:`state_dict`, :meth:`load_state_dict`):
 
 - :class:`RecallStream`: the associative-recall task (``sparseops.models.recall``), drawn from one generator
   seeded with ``seed``, one global batch per step in step order: the stream of the demo's one-process
@@ -31,7 +32,7 @@ _SCAN_CHUNK = 1 << 24
 
 
 class Batch(NamedTuple):
-    """One rank's share of a global batch, packed: ``tokens [b*L]`` int64, ``targets [b*L]`` int64 (``-100``
+    """One rank's share of a global (micro-)batch, packed: ``tokens [b*L]`` int64, ``targets [b*L]`` int64 (``-100``
     where ignored), ``cu_seqlens [b+1]`` int32, and ``n_targets``, the targets of the whole global batch."""
 
     tokens: torch.Tensor
@@ -40,12 +41,22 @@ class Batch(NamedTuple):
     n_targets: int
 
 
-def share(batch_size: int, rank: int, world: int) -> range:
-    """The global sequence indices of rank ``rank``'s share: ``[rank*B/world, (rank+1)*B/world)``."""
-    if batch_size % world:
-        raise ValueError(f"batch_size: expected a multiple of the data-parallel size {world}, got {batch_size}")
-    b = batch_size // world
-    return range(rank * b, (rank + 1) * b)
+def share(batch_size: int, rank: int, world: int, micro: int = 0, micro_batches: int = 1) -> range:
+    """The global sequence indices of rank ``rank``'s share of micro-batch ``micro`` of ``micro_batches`` (``M``):
+    the micro-batch is the sequences ``[m*B/M, (m+1)*B/M)``, the share its ``[r*b, (r+1)*b)``, ``b = B/(M*world)``.
+    With ``M = 1``: ``[rank*B/world, (rank+1)*B/world)``."""
+    if batch_size % (world * micro_batches):
+        size = (f"the data-parallel size {world}" if micro_batches == 1 else
+                f"micro_batches * the data-parallel size = {micro_batches} * {world}")
+        raise ValueError(f"batch_size: expected a multiple of {size}, got {batch_size}")
+    b = batch_size // (world * micro_batches)
+    start = (micro * world + rank) * b
+    return range(start, start + b)
+
+
+def shares(batch_size: int, rank: int, world: int, micro_batches: int = 1) -> list[range]:
+    """Rank ``rank``'s :func:`share` of each of the ``micro_batches`` micro-batches, in order."""
+    return [share(batch_size, rank, world, m, micro_batches) for m in range(micro_batches)]
 
 
 def _pack(tokens: torch.Tensor, targets: torch.Tensor, n_targets: int) -> Batch:
@@ -53,7 +64,15 @@ def _pack(tokens: torch.Tensor, targets: torch.Tensor, n_targets: int) -> Batch:
     return Batch(tokens.reshape(-1), targets.reshape(-1), torch.arange(b + 1, dtype=torch.int32) * L, n_targets)
 
 
-class RecallStream:
+class _Source:
+    """What both sources share: :meth:`batch`, the one-micro-batch case of their ``batches``."""
+
+    def batch(self, step: int, rank: int = 0, world: int = 1) -> Batch:
+        """Rank ``rank``'s share of the global batch of ``step``."""
+        return self.batches(step, rank, world)[0]
+
+
+class RecallStream(_Source):
     """The recall task's batches of ``batch_size`` sequences, drawn in step order from ``Generator(seed)``."""
 
     def __init__(self, task: RecallTask, batch_size: int, seed: int):
@@ -69,17 +88,18 @@ class RecallStream:
     def seq_len(self) -> int:
         return self.task.seq_len
 
-    def batch(self, step: int, rank: int = 0, world: int = 1) -> Batch:
-        """Rank ``rank``'s share of the global batch of ``step`` (every rank draws the whole batch: the stream
-        stays the same at every layout). ``step`` must be the next one (:attr:`position`)."""
+    def batches(self, step: int, rank: int = 0, world: int = 1, micro_batches: int = 1) -> list[Batch]:
+        """Rank ``rank``'s share of each micro-batch of the global batch of ``step`` (every rank draws the whole
+        batch: the stream stays the same at every layout). ``step`` must be the next one (:attr:`position`)."""
         if step != self.position:
             raise ValueError(f"step: expected the stream's next step {self.position}, got {step}")
         full = self.task.sample(self.batch_size, self.generator)
         self.position += 1
-        L, mine = self.task.seq_len, share(self.batch_size, rank, world)
-        tokens = full.tokens.view(self.batch_size, L)[mine.start:mine.stop]
-        targets = full.targets.view(self.batch_size, L)[mine.start:mine.stop]
-        return _pack(tokens, targets, self.batch_size * self.task.num_queries)
+        L = self.task.seq_len
+        tokens, targets = full.tokens.view(self.batch_size, L), full.targets.view(self.batch_size, L)
+        return [_pack(tokens[mine.start:mine.stop], targets[mine.start:mine.stop],
+                      self.batch_size * self.task.num_queries)
+                for mine in shares(self.batch_size, rank, world, micro_batches)]
 
     def state_dict(self) -> dict:
         return {"kind": "recall", "position": self.position, "generator": self.generator.get_state()}
@@ -95,7 +115,7 @@ class RecallStream:
         self.position = int(state["position"])
 
 
-class TokenFile:
+class TokenFile(_Source):
     """Windows of ``seq_len + 1`` tokens of a flat token-id file, in a seeded order per epoch.
 
     Args:
@@ -141,17 +161,21 @@ class TokenFile:
             self._perm = (epoch, torch.randperm(self.num_windows, generator=gen))
         return self._perm[1]
 
-    def batch(self, step: int, rank: int = 0, world: int = 1) -> Batch:
-        """Rank ``rank``'s share of the global batch of ``step``: inputs are the windows' first ``L`` tokens,
-        targets their last ``L`` (every position a target); only the share is read from the file."""
+    def batches(self, step: int, rank: int = 0, world: int = 1, micro_batches: int = 1) -> list[Batch]:
+        """Rank ``rank``'s share of each micro-batch of the global batch of ``step``: inputs are the windows' first
+        ``L`` tokens, targets their last ``L`` (every position a target); only the shares are read from the file."""
+        out = [self._rows(step, mine) for mine in shares(self.batch_size, rank, world, micro_batches)]
+        self.position = step + 1
+        return out
+
+    def _rows(self, step: int, mine: range) -> Batch:
         L = self.seq_len
         rows = []
-        for j in share(self.batch_size, rank, world):
+        for j in mine:
             g = step * self.batch_size + j
             w = int(self._order(g // self.num_windows)[g % self.num_windows])
             rows.append(self.tokens[w * L:w * L + L + 1].to(torch.int64))
         window = torch.stack(rows)
-        self.position = step + 1
         return _pack(window[:, :-1], window[:, 1:], self.batch_size * L)
 
     def state_dict(self) -> dict:
@@ -171,4 +195,4 @@ class TokenFile:
         self.position = int(state["position"])
 
 
-__all__ = ["Batch", "IGNORE_INDEX", "RecallStream", "TOKEN_DTYPES", "TokenFile", "share"]
+__all__ = ["Batch", "IGNORE_INDEX", "RecallStream", "TOKEN_DTYPES", "TokenFile", "share", "shares"]
