@@ -78,11 +78,12 @@ def test_one_process_is_the_demo_training(tmp_path, one_thread):
 
 
 def test_resume_is_bitwise_and_skips_an_incomplete_checkpoint(tmp_path, one_thread):
-    """Saved every 2 steps; the last checkpoint made incomplete: the resumed run starts at step 2 with a
-    warning and its losses and final checkpoint (model, optimizer, scheduler, RNG, data) are bitwise the
-    uninterrupted run's."""
+    """Two micro-batches per step, saved every 2 steps; the last checkpoint made incomplete: the resumed run starts
+    at step 2 with a warning, takes the checkpoint's --micro-batches, and its losses and final checkpoint (model,
+    optimizer, scheduler, RNG, data) are bitwise the uninterrupted run's."""
     a, b = tmp_path / "a", tmp_path / "b"
-    assert main([*ARGV, "--save", str(a), "--save-every", "2", "--json", str(tmp_path / "a.json")]) == 0
+    assert main([*ARGV, "--micro-batches", "2", "--save", str(a), "--save-every", "2", "--json",
+                 str(tmp_path / "a.json")]) == 0
     whole = json.loads((tmp_path / "a.json").read_text())
     assert whole["checkpoints"] == [str(a / "step_2"), str(a / "step_4")]
     full = _checkpoint(a / "step_4", tmp_path)
@@ -90,7 +91,7 @@ def test_resume_is_bitwise_and_skips_an_incomplete_checkpoint(tmp_path, one_thre
     with pytest.warns(UserWarning, match="step_4 is incomplete"):
         assert main([*ARGV, "--resume", str(a), "--save", str(b), "--json", str(tmp_path / "b.json")]) == 0
     resumed = json.loads((tmp_path / "b.json").read_text())
-    assert resumed["resumed_from"] == 2 and resumed["steps"] == [2, 3]
+    assert resumed["resumed_from"] == 2 and resumed["steps"] == [2, 3] and resumed["micro_batches"] == 2
     assert resumed["loss"] == whole["loss"][2:]
     _assert_same_checkpoint(_checkpoint(b / "step_4", tmp_path), full)
 
@@ -102,6 +103,77 @@ def test_token_file(tmp_path, one_thread):
     assert main([*ARGV_DATA, "--data", str(tmp_path / "t.bin"), "--json", str(path)]) == 0
     r = json.loads(path.read_text())
     assert len(r["loss"]) == 4 and r["loss"][-1] < r["loss"][0] and r["recall"] is None and r["data"].endswith("t.bin")
+
+
+def _micro_batch_oracle(micro: int, clip: float) -> tuple[list[float], list[list[torch.Tensor]]]:
+    """The float64 losses and gradients (clipped, as the optimizer takes them) of each step of the definition with
+    ``micro`` micro-batches of consecutive sequences, from one backward of the whole objective: every cross-entropy
+    over the step's target count, plus the mean of the micro-batches' aux losses (docs/training.md, "One step");
+    the demo's clipping, AdamW and schedule."""
+    import torch.nn.functional as F
+
+    from sparseops.models.lm import expert_parameter
+    from sparseops.models.recall import IGNORE_INDEX
+    from sparseops.models.train import build_model, grad_norm_sq, lr_factor
+
+    model = build_model(MODEL.replace(vocab_size=TINY_TASK.vocab_size), CFG.seed, torch.float64, "cpu")
+    named = list(model.named_parameters())
+    replicated, experts = ([p for n, p in named if expert_parameter(n) == e] for e in (False, True))
+    opt = torch.optim.AdamW(model.parameters(), lr=CFG.lr, betas=(0.9, 0.95), weight_decay=CFG.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, CFG))
+    gen, L = torch.Generator().manual_seed(CFG.seed), TINY_TASK.seq_len
+    cu = list(range(0, CFG.batch_size // micro * L + 1, L))
+    losses, grads = [], []
+    for _ in range(CFG.steps):
+        batch = TINY_TASK.sample(CFG.batch_size, gen)
+        ce = aux = 0.0
+        for tokens, targets in zip(batch.tokens.view(micro, -1), batch.targets.view(micro, -1)):
+            logits, part = model(tokens, cu)
+            ce = ce + F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+            aux = aux + part / micro
+        loss = ce / (CFG.batch_size * TINY_TASK.num_queries) + aux
+        opt.zero_grad(set_to_none=False)
+        loss.backward()
+        coef = (clip / (grad_norm_sq(replicated, experts).sqrt() + 1e-6)).clamp(max=1.0)
+        for p in replicated + experts:
+            p.grad.mul_(coef)
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+        sched.step()
+        losses.append(float(loss.detach()))
+    return losses, grads
+
+
+def test_micro_batches(tmp_path, monkeypatch, one_thread):
+    """``--micro-batches 2`` in float64: with the aux loss off, the one-micro-batch run's losses up to rounding (the
+    cross-entropy is the same sum over the step's targets); with it on, the definition's losses and every gradient
+    the optimizer takes (the oracle above; the clip out of the way, which would hide a gradient's scale from Adam).
+    The JSON records the setting."""
+    from sparseops.testing import TRAINING_TOLERANCE, rel_rms_error
+
+    runs, grads = {}, []
+    adam_step = torch.optim.AdamW.step
+
+    def record(opt, *args, **kwargs):
+        if name == "m2":
+            grads.append([p.grad.clone() for p in opt.param_groups[0]["params"]])
+        return adam_step(opt, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", record)
+
+    for name, extra in (("m1-aux0", ["--aux-loss-coeff", "0"]),
+                        ("m2-aux0", ["--aux-loss-coeff", "0", "--micro-batches", "2"]),
+                        ("m2", ["--micro-batches", "2", "--clip", "1e6"])):
+        assert main([*ARGV, *F64, *extra, "--json", str(tmp_path / f"{name}.json")]) == 0
+        runs[name] = _json(tmp_path / f"{name}.json")
+    assert _rel(runs["m2-aux0"]["loss"], runs["m1-aux0"]["loss"]) <= F64_RTOL
+    monkeypatch.setattr(torch.optim.AdamW, "step", adam_step)
+    want_loss, want_grads = _micro_batch_oracle(2, clip=1e6)
+    assert _rel(runs["m2"]["loss"], want_loss) <= F64_RTOL and len(grads) == CFG.steps
+    for s, (got, want) in enumerate(zip(grads, want_grads)):
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert rel_rms_error(g, w) <= TRAINING_TOLERANCE, (s, i)
+    assert [r["micro_batches"] for r in runs.values()] == [1, 2, 2]
 
 
 def test_config_argv_spells_out_every_setting():
@@ -149,11 +221,17 @@ def test_config_argv_spells_out_every_setting():
     (1, ["--dsa-dense-steps", "-1"], "--dsa-dense-steps: expected an int >= 0, got -1"),
     (4, ["--attention", "dsa", "--dsa-dense-steps", "2", "--indexer-loss-coeff", "0"],
      "--dsa-dense-steps: expected --indexer-loss-coeff > 0 with it .*got --indexer-loss-coeff 0"),
+    (2, ["--micro-batches", "4"], "--micro-batches: expected a divisor of --global-batch / the data-parallel ranks = "
+                                  "4 / 2 = 2, got 4"),
+    (2, ["--replicated-tokens", "--micro-batches", "3"], "--micro-batches: expected a divisor of --global-batch / the "
+                                                         "data-parallel ranks = 4 / 1 = 4, got 3"),
+    (1, ["--micro-batches", "0"], "--micro-batches: expected an int >= 1, got 0"),
 ], ids=["world-mismatch", "replicate-not-dividing", "ep-not-dividing-shard", "ep-not-dividing-experts",
         "batch-not-dividing", "resume-nothing", "save-every-alone", "no-steps", "timeout-under-a-ms", "timeout-overflowing", "task", "no-file", "data-a-device",
         "recall-flags-with-data", "no-cuda",
         "replicated-with-dp", "replicated-ep-1", "negative-clip", "negative-decay", "model", "seed-past-torch",
-        "autocast-float64", "dense-steps-nsa", "dense-steps-negative", "dense-steps-no-indexer-loss"])
+        "autocast-float64", "dense-steps-nsa", "dense-steps-negative", "dense-steps-no-indexer-loss", "micro-batches-not-dividing", "replicated-micro-batches",
+        "no-micro-batches"])
 def test_bad_flags_exit_2_before_any_collective(tmp_path, monkeypatch, capsys, world, extra, match):
     """torchrun's environment without a rendezvous behind it: a check after init_process_group would hang or fail
     otherwise (within the 5 s --comm-timeout, the rendezvous's timeout too); the message names the flag and nothing

@@ -59,6 +59,7 @@ def _tree(root: Path) -> list[str]:
     (["--resume", "{ck}", "--seed", "5"], r"--seed: expected the checkpoint's 0 with --resume .*, got 5"),
     (["--resume", "{ck}", "--dsa-dense-steps", "1"],
      r"--dsa-dense-steps: expected the checkpoint's 0 with --resume .*, got 1"),
+    (["--resume", "{ck}", "--micro-batches", "2"], r"--micro-batches: expected the checkpoint's 1 with --resume .*, got 2"),
     (["--resume", "{ck}", "--recall-pairs", "3"], r"--recall-pairs: expected the checkpoint's \d+ with --resume"),
     (["--resume", "{ck}", "--data", "{saved}/t.bin"],
      "--resume: data: expected a checkpoint of a token file, got one of 'recall'"),
@@ -78,7 +79,7 @@ def _tree(root: Path) -> list[str]:
                                     r"checkpoint's .metadata records\), got 1000 bytes: a damaged or partial checkpoint"),
     (["--resume", "{saved}/empty"], r"--resume: expected a readable .metadata in '.*empty/step_2', got one that does "
                                     r"not read \(EOFError: .*\): a damaged checkpoint"),
-], ids=["experts", "top-k", "rope", "rope-off", "seed", "dense-steps", "recall-task", "data-kind", "lr", "weight-decay", "save-over-later", "resume-save-over-later",
+], ids=["experts", "top-k", "rope", "rope-off", "seed", "dense-steps", "micro-batches", "recall-task", "data-kind", "lr", "weight-decay", "save-over-later", "resume-save-over-later",
         "save-a-file", "save-a-file-in-the-way", "json-a-device", "json-a-directory", "steps-before-resumed", "truncated-shard",
         "empty-metadata"])
 def test_resume_and_outputs_checked_before_any_collective(saved, tmp_path, monkeypatch, capsys, extra, match):

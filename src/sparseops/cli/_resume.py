@@ -3,11 +3,11 @@
 
 A checkpoint holds the flags that define what the run computes beyond the tensors' shapes: the model (every
 ``LMConfig`` flag and ``--attention``), ``--dsa-dense-steps`` (the stage of each step), the recall task,
-``--seq-len``, ``--seed`` (the token file's order, the recall evaluation) and ``--global-batch`` (the token file's
-position is counted in steps), under ``train.settings.<flag>``. On ``--resume`` a flag left out takes the
-checkpoint's value; one given with another value is refused (the run would silently compute something else than
-the run it continues). Checkpoints written before the settings were recorded carry none: only their shapes are
-checked.
+``--seq-len``, ``--seed`` (the token file's order, the recall evaluation), ``--global-batch`` (the token file's
+position is counted in steps) and ``--micro-batches`` (the aux loss is the mean of the micro-batches'), under
+``train.settings.<flag>``. On ``--resume`` a flag left out takes the checkpoint's value; one given with another
+value is refused (the run would silently compute something else than the run it continues). Checkpoints
+written before the settings were recorded carry none: only their shapes are checked.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ def recorded_flags(model_fields: tuple[str, ...], recall: dict[str, str]) -> dic
     flags["attention"] = "model_attention"
     flags["dsa-dense-steps"] = "dsa_dense_steps"
     flags.update({f"recall-{flag}": f"recall_{name}" for name, flag in recall.items()})
-    flags.update({"seq-len": "seq_len", "seed": "seed", "global-batch": "global_batch"})
+    flags.update({"seq-len": "seq_len", "seed": "seed", "global-batch": "global_batch",
+                  "micro-batches": "micro_batches"})
     return flags
 
 
@@ -36,7 +37,8 @@ def settings(spec, model_fields: tuple[str, ...], recall: dict[str, str]) -> dic
     if spec.task is not None:
         out.update({f"recall-{flag}": getattr(spec.task, name) for name, flag in recall.items()})
     out["seq-len"] = spec.task.seq_len if spec.task is not None else spec.seq_len
-    out.update({"seed": spec.optim.seed, "global-batch": spec.optim.batch_size})
+    out.update({"seed": spec.optim.seed, "global-batch": spec.optim.batch_size,
+                "micro-batches": spec.micro_batches})
     return out
 
 

@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--global-batch", type=int, default=None, metavar="B",
                    help="sequences per step over all ranks (a multiple of the world size)")
     g.add_argument("--seq-len", type=int, default=None, metavar="L", help="tokens per sequence")
+    g.add_argument("--micro-batches", type=int, default=None, metavar="M",
+                   help="forward/backward passes per step, each over B/M sequences of the global batch, gradients "
+                        "accumulated (default 1); the aux loss is the mean of the micro-batches'")
     g.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                    help="of the parameters, gradients, optimizer state and checkpoints")
     g.add_argument("--autocast", choices=("bfloat16",), default=None,
@@ -179,7 +182,7 @@ def build_spec(args: argparse.Namespace, world: int):
 
     for name, lo in (("steps", 1), ("global_batch", 1), ("seq_len", 1), ("warmup", 0), ("eval_sequences", 0),
                      ("eval_batch", 1), ("threads", 1), ("log_every", 0), ("save_every", 1), ("vocab_size", 1),
-                     ("dsa_dense_steps", 0)):
+                     ("dsa_dense_steps", 0), ("micro_batches", 1)):
         _check_int(args, name, lo)
     if not 1 <= args.comm_timeout <= _COMM_TIMEOUT_MAX:  # torch counts it in int milliseconds
         raise _Bad(f"--comm-timeout: expected a number of seconds in [1, {_COMM_TIMEOUT_MAX}], got {args.comm_timeout}")
@@ -229,6 +232,10 @@ def build_spec(args: argparse.Namespace, world: int):
                    "got " + ("--save" if args.save else "--resume"))
     layout = resolve_layout(world, args.dp_replicate, args.dp_shard, args.ep, model.num_experts, optim.batch_size,
                             "none" if args.replicated_tokens else "ddp" if args.ddp else "fsdp", args.dispatcher)
+    micro = args.micro_batches or 1
+    if optim.batch_size % (micro * layout.data_ranks):  # each rank takes an equal share of each micro-batch
+        raise _Bad(f"--micro-batches: expected a divisor of --global-batch / the data-parallel ranks = "
+                   f"{optim.batch_size} / {layout.data_ranks} = {optim.batch_size // layout.data_ranks}, got {micro}")
     seq_len = args.seq_len if args.seq_len is not None else task.seq_len
     if args.data is None:
         changes = {n: getattr(args, f"recall_{n}") for n in _RECALL if getattr(args, f"recall_{n}") is not None}
@@ -265,7 +272,7 @@ def build_spec(args: argparse.Namespace, world: int):
     spec = RunSpec(model=model, optim=optim, task=task, data_path=args.data, data_dtype=args.data_dtype,
                    seq_len=seq_len, dtype=getattr(torch, args.dtype), layout=layout, save_dir=args.save,
                    save_every=args.save_every, resume=resume, comm_timeout=args.comm_timeout,
-                   log_every=args.log_every, compile=args.compile, dsa_dense_steps=dense_steps,
+                   log_every=args.log_every, compile=args.compile, dsa_dense_steps=dense_steps, micro_batches=micro,
                    autocast=None if args.autocast is None else getattr(torch, args.autocast))
     return dataclasses.replace(spec, settings=_resume.settings(spec, _MODEL_INT + _MODEL_FLOAT, _RECALL))
 
@@ -407,7 +414,7 @@ def _result_json(args, spec, world: int, result: dict, error: str | None) -> dic
             "resumed_from": result.get("resumed_from"), "world_size": world,
             "dims": spec.layout.dims(), "data_parallel": spec.layout.data_parallel,
             "dtype": args.dtype, "autocast": args.autocast, "attention": spec.model.attention,
-            "dsa_dense_steps": spec.dsa_dense_steps,
+            "dsa_dense_steps": spec.dsa_dense_steps, "micro_batches": spec.micro_batches,
             "data": args.data or "recall", "recall": result.get("recall"),
             "checkpoints": result.get("checkpoints", []), "seconds": result.get("seconds"), "error": error}
 
@@ -464,7 +471,8 @@ def run(args: argparse.Namespace) -> int:
                                 timeout=datetime.timedelta(seconds=spec.comm_timeout))
     if rank == 0:
         print(f"sparseops train: {world} rank(s), {spec.layout.dims()} {spec.layout.data_parallel}, "
-              f"{spec.optim.steps} steps x {spec.optim.batch_size} sequences, {args.dtype}"
+              f"{spec.optim.steps} steps x {spec.optim.batch_size} sequences"
+              + (f" in {spec.micro_batches} micro-batches" if spec.micro_batches > 1 else "") + f", {args.dtype}"
               + (f" under autocast {args.autocast}" if args.autocast else "") + f" on {device.type}"
               + (f", DSA dense warm-up for {spec.dsa_dense_steps} steps" if spec.dsa_dense_steps else "")
               + (f", resuming from {spec.resume}" if spec.resume else ""), flush=True)

@@ -1,13 +1,16 @@
 """The training loop of ``sparseops train``: the LM of ``sparseops.models`` on one process or on every rank of a
 ``torchrun`` job, parallelized by :func:`sparseops.distributed.parallelize` (docs/training.md).
 
-One step, at every layout alike (and bitwise the one-process ``sparseops.models.train.train`` in one process):
+One step, at every layout alike (and bitwise the one-process ``sparseops.models.train.train`` in one process
+with one micro-batch):
 
-    every rank: its share of the global batch of step s -> forward -> ce_r = sum of its cross-entropies
-    one all-reduce of [ce_r, aux_r, nonfinite_r one-hot over the ranks]: the global loss (the aux terms' mean over
-        the ranks: DSA's indexer loss is each rank's own tokens' mean), and a stop on every rank,
-        naming the step and the ranks, when any rank's loss is not finite (before backward and the step)
-    backward of ce_r / (n / W) + aux (the mean over the rank's equal share; parallelize averages over W)
+    every rank, for each micro-batch m of M (the global batch's sequences [m*B/M, (m+1)*B/M)): its share of it ->
+        forward -> ce_rm = sum of its cross-entropies, aux_rm; backward of ce_rm / (n / W) + aux_rm / M (the mean
+        over the rank's equal share; parallelize averages over W), the last micro-batch's after the all-reduce
+    one all-reduce, after the last forward, of [sum_m ce_rm, mean_m aux_rm, nonfinite_r one-hot over the ranks]:
+        the global loss (the aux terms' mean over the ranks: DSA's indexer loss is each rank's own tokens' mean),
+        and a stop on every rank, naming the step and the ranks, when any rank's loss is not finite (before the
+        last backward and the step)
     clip the global gradient norm (in one process the demo's sum, one term per parameter and per expert; on W
         ranks sparseops.distributed.clip_grad_norm_ across the meshes), stop on every rank when it is not
         finite; AdamW step; LambdaLR step (linear warm-up, cosine to 0)
@@ -15,6 +18,9 @@ One step, at every layout alike (and bitwise the one-process ``sparseops.models.
 
 With ``--attention dsa --dsa-dense-steps N`` the steps before N are DSA's dense warm-up: the same step with every
 DSA layer dense and every parameter but the indexers' frozen (training/dsa_warmup.py).
+
+Every micro-batch's backward reduces its gradients (FSDP2's reduce-scatter, DDP's all-reduce): the gradients stay
+sharded between micro-batches, and the composable DDP has no ``no_sync`` (docs/training.md, "One step").
 
 Collectives are bounded by ``--comm-timeout``: the process group's timeout, given to every group the layout
 makes (``parallelize(timeout=)``), so a rank that stops responding makes its peers raise instead of wait
@@ -94,6 +100,9 @@ class RunSpec:
     #: ``{flag: value}`` the checkpoints record (``train.settings.*``: what a resume checks its flags against;
     #: sparseops.cli._resume); empty: none recorded
     settings: dict = field(default_factory=dict)
+    #: ``M``: forward / backward passes per step, over consecutive pieces of the global batch (docs/training.md,
+    #: "One step")
+    micro_batches: int = 1
 
 
 def make_data(spec: RunSpec):
@@ -133,7 +142,7 @@ def train_run(spec: RunSpec, result: dict, *, device: torch.device | None = None
     layout = spec.layout
     replicated_tokens = world > 1 and layout.data_parallel == "none"
     ctx = _Ctx(rank, world, *((0, 1) if replicated_tokens else (rank, world)),
-               dist.group.WORLD if replicated_tokens else None, cfg, device, spec.autocast)
+               dist.group.WORLD if replicated_tokens else None, cfg, device, spec.autocast, spec.micro_batches)
     model = build_model(model_cfg, cfg.seed, spec.dtype, device, ep_group=ctx.ep_group,
                         dispatcher=layout.dispatcher)
     if world > 1 and not replicated_tokens:  # replicated tokens: the MoE layers on the world group
@@ -192,40 +201,26 @@ class _Ctx:
     cfg: TrainConfig
     device: torch.device
     autocast: torch.dtype | None = None
+    micro_batches: int = 1
 
     def autocast_ctx(self):
         return torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None)
 
 
 def _step(ctx: _Ctx, model, opt, sched, data, replicated, experts, step, poison: bool) -> float:
-    cfg, device = ctx.cfg, ctx.device
-    tokens, targets, cu, n = data.batch(step, ctx.dp_rank, ctx.dp_world)
-    with ctx.autocast_ctx():
-        logits, aux = model(tokens.to(device), cu.tolist())
-    # the loss in the parameters' dtype (fp32 under autocast)
-    ce = F.cross_entropy(logits.to(aux.dtype), targets.to(device), ignore_index=IGNORE_INDEX, reduction="sum")
-    if poison:
-        ce = ce * math.nan
-    total, aux_g = ce.detach(), aux.detach()
-    if ctx.world > 1:
-        stats = torch.zeros(2 + ctx.world, dtype=ce.dtype, device=device)
-        if ctx.dp_world > 1:  # the ranks' shares; with replicated tokens every rank holds the whole sum
-            # the MoE aux loss is the global batch's on every rank already; DSA's indexer loss is the mean over
-            # the rank's own tokens: the mean over the ranks' equal shares is the global one
-            stats[0], stats[1] = total, aux_g
-        stats[2 + ctx.rank] = float(not torch.isfinite(total))
-        dist.all_reduce(stats)
-        bad = nonfinite_ranks(stats[2:])
-        if ctx.dp_world > 1:
-            total, aux_g = stats[0], stats[1] / ctx.dp_world
-    else:
-        bad = [] if torch.isfinite(total) else [0]
-    loss = float(total / n + aux_g)
-    if bad:
-        raise TrainingStopped(step, f"non-finite loss on rank(s) {bad} (global loss {loss}); every rank stopped "
-                                    "before the optimizer step")
+    cfg = ctx.cfg
+    batches = data.batches(step, ctx.dp_rank, ctx.dp_world, ctx.micro_batches)
+    n = batches[0].n_targets
     opt.zero_grad(set_to_none=False)
-    (ce / (n // ctx.dp_world) + aux).backward()
+    ces, auxes = [], []
+    for m, batch in enumerate(batches):
+        ce, aux = _forward(ctx, model, batch, poison and m == 0)
+        ces.append(ce.detach())
+        auxes.append(aux.detach())
+        if m + 1 < len(batches):  # the last one's waits for the loss check
+            _backward(ctx, ce, aux, n)
+    loss = _global_loss(ctx, step, torch.stack(ces).sum(), torch.stack(auxes).mean(), n)
+    _backward(ctx, ce, aux, n)
     for p in replicated + experts:  # a parameter no token reached this step
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -241,4 +236,44 @@ def _step(ctx: _Ctx, model, opt, sched, data, replicated, experts, step, poison:
                                     "optimizer step")
     opt.step()
     sched.step()
+    return loss
+
+
+def _forward(ctx: _Ctx, model, batch, poison: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The micro-batch's cross-entropy sum over this rank's share and its aux terms."""
+    tokens, targets, cu, _ = batch
+    with ctx.autocast_ctx():
+        logits, aux = model(tokens.to(ctx.device), cu.tolist())
+    # the loss in the parameters' dtype (fp32 under autocast)
+    ce = F.cross_entropy(logits.to(aux.dtype), targets.to(ctx.device), ignore_index=IGNORE_INDEX, reduction="sum")
+    return (ce * math.nan if poison else ce), aux
+
+
+def _backward(ctx: _Ctx, ce: torch.Tensor, aux: torch.Tensor, n: int) -> None:
+    """The micro-batch's part of the step's gradient: its cross-entropy over the rank's ``n / W`` targets of the
+    step, its aux terms over the ``M`` micro-batches."""
+    (ce / (n // ctx.dp_world) + aux / ctx.micro_batches).backward()
+
+
+def _global_loss(ctx: _Ctx, step: int, ce: torch.Tensor, aux: torch.Tensor, n: int) -> float:
+    """The step's loss from this rank's cross-entropy sum and aux mean over its micro-batches: one all-reduce,
+    which also stops every rank (``TrainingStopped``) when any rank's loss is not finite."""
+    total, aux_g = ce, aux
+    if ctx.world > 1:
+        stats = torch.zeros(2 + ctx.world, dtype=ce.dtype, device=ctx.device)
+        if ctx.dp_world > 1:  # the ranks' shares; with replicated tokens every rank holds the whole sum
+            # the MoE aux loss is the global (micro-)batch's on every rank already; DSA's indexer loss is the mean
+            # over the rank's own tokens: the mean over the ranks' equal shares is the global one
+            stats[0], stats[1] = total, aux_g
+        stats[2 + ctx.rank] = float(not torch.isfinite(total))
+        dist.all_reduce(stats)
+        bad = nonfinite_ranks(stats[2:])
+        if ctx.dp_world > 1:
+            total, aux_g = stats[0], stats[1] / ctx.dp_world
+    else:
+        bad = [] if torch.isfinite(total) else [0]
+    loss = float(total / n + aux_g)
+    if bad:
+        raise TrainingStopped(step, f"non-finite loss on rank(s) {bad} (global loss {loss}); every rank stopped "
+                                    "before the optimizer step")
     return loss
