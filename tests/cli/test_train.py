@@ -79,8 +79,8 @@ def test_one_process_is_the_demo_training(tmp_path, one_thread):
 
 def test_resume_is_bitwise_and_skips_an_incomplete_checkpoint(tmp_path, one_thread):
     """Two micro-batches per step, saved every 2 steps; the last checkpoint made incomplete: the resumed run starts
-    at step 2 with a warning, takes the checkpoint's --micro-batches, and its losses and final checkpoint (model,
-    optimizer, scheduler, RNG, data) are bitwise the uninterrupted run's."""
+    at step 2 with a warning, takes the checkpoint's --micro-batches and, with --activation-checkpointing added,
+    its losses and final checkpoint (model, optimizer, scheduler, RNG, data) are bitwise the uninterrupted run's."""
     a, b = tmp_path / "a", tmp_path / "b"
     assert main([*ARGV, "--micro-batches", "2", "--save", str(a), "--save-every", "2", "--json",
                  str(tmp_path / "a.json")]) == 0
@@ -89,7 +89,8 @@ def test_resume_is_bitwise_and_skips_an_incomplete_checkpoint(tmp_path, one_thre
     full = _checkpoint(a / "step_4", tmp_path)
     (a / "step_4" / ".metadata").unlink()  # as if the run had died while saving it
     with pytest.warns(UserWarning, match="step_4 is incomplete"):
-        assert main([*ARGV, "--resume", str(a), "--save", str(b), "--json", str(tmp_path / "b.json")]) == 0
+        assert main([*ARGV, "--resume", str(a), "--activation-checkpointing", "--save", str(b), "--json",
+                     str(tmp_path / "b.json")]) == 0
     resumed = json.loads((tmp_path / "b.json").read_text())
     assert resumed["resumed_from"] == 2 and resumed["steps"] == [2, 3] and resumed["micro_batches"] == 2
     assert resumed["loss"] == whole["loss"][2:]
@@ -146,12 +147,14 @@ def _micro_batch_oracle(micro: int, clip: float) -> tuple[list[float], list[list
 
 def test_micro_batches(tmp_path, monkeypatch, one_thread):
     """``--micro-batches 2`` in float64: with the aux loss off, the one-micro-batch run's losses up to rounding (the
-    cross-entropy is the same sum over the step's targets); with it on, the definition's losses and every gradient
-    the optimizer takes (the oracle above; the clip out of the way, which would hide a gradient's scale from Adam).
-    The JSON records the setting."""
+    cross-entropy is the same sum over the step's targets; --activation-checkpointing on too, which recomputes every
+    block and is bitwise the plain run in the bitwise-resume test); with it on, the definition's losses and every
+    gradient the optimizer takes (the oracle above; the clip out of the way, which would hide a gradient's scale
+    from Adam). The JSON records both settings."""
+    from sparseops.models.lm import Block
     from sparseops.testing import TRAINING_TOLERANCE, rel_rms_error
 
-    runs, grads = {}, []
+    runs, recomputed, grads = {}, [], []
     adam_step = torch.optim.AdamW.step
 
     def record(opt, *args, **kwargs):
@@ -161,11 +164,20 @@ def test_micro_batches(tmp_path, monkeypatch, one_thread):
 
     monkeypatch.setattr(torch.optim.AdamW, "step", record)
 
-    for name, extra in (("m1-aux0", ["--aux-loss-coeff", "0"]),
-                        ("m2-aux0", ["--aux-loss-coeff", "0", "--micro-batches", "2"]),
-                        ("m2", ["--micro-batches", "2", "--clip", "1e6"])):
-        assert main([*ARGV, *F64, *extra, "--json", str(tmp_path / f"{name}.json")]) == 0
-        runs[name] = _json(tmp_path / f"{name}.json")
+    def count(module, args):  # a block called inside a backward: the checkpoint's recompute (which may stop early)
+        if isinstance(module, Block) and torch._C._current_graph_task_id() != -1:
+            recomputed.append(name)
+
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(count)
+    try:
+        for name, extra in (("m1-aux0", ["--aux-loss-coeff", "0"]),
+                            ("m2-aux0", ["--aux-loss-coeff", "0", "--micro-batches", "2", "--activation-checkpointing"]),
+                            ("m2", ["--micro-batches", "2", "--clip", "1e6"])):
+            assert main([*ARGV, *F64, *extra, "--json", str(tmp_path / f"{name}.json")]) == 0
+            runs[name] = _json(tmp_path / f"{name}.json")
+    finally:
+        hook.remove()
+    assert recomputed == ["m2-aux0"] * (CFG.steps * 2 * MODEL.num_layers)  # every block, every micro-batch
     assert _rel(runs["m2-aux0"]["loss"], runs["m1-aux0"]["loss"]) <= F64_RTOL
     monkeypatch.setattr(torch.optim.AdamW, "step", adam_step)
     want_loss, want_grads = _micro_batch_oracle(2, clip=1e6)
@@ -173,7 +185,8 @@ def test_micro_batches(tmp_path, monkeypatch, one_thread):
     for s, (got, want) in enumerate(zip(grads, want_grads)):
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
             assert rel_rms_error(g, w) <= TRAINING_TOLERANCE, (s, i)
-    assert [r["micro_batches"] for r in runs.values()] == [1, 2, 2]
+    assert [(r["micro_batches"], r["activation_checkpointing"]) for r in runs.values()] == [
+        (1, False), (2, True), (2, False)]
 
 
 def test_config_argv_spells_out_every_setting():
@@ -393,8 +406,10 @@ def test_hung_rank_ends_the_job_within_the_timeout(tmp_path):
 @pytest.mark.distributed
 def test_replicated_tokens_is_bitwise_the_one_process_run(oracle, tmp_path):
     """``--replicated-tokens`` (the demo's exact EP mode): every rank runs the whole batch, the MoE layers split
-    its tokens: every float64 loss and the recall are bitwise the one-process run's."""
-    rc, out, _ = torchrun(2, [*ARGV[1:], *F64, "--ep", "2", "--replicated-tokens", "--json", str(tmp_path / "r.json")])
+    its tokens: every float64 loss and the recall are bitwise the one-process run's (with
+    ``--activation-checkpointing``: the recompute repeats each MoE layer's collectives in the backward)."""
+    rc, out, _ = torchrun(2, [*ARGV[1:], *F64, "--ep", "2", "--replicated-tokens", "--activation-checkpointing",
+                              "--json", str(tmp_path / "r.json")])
     assert rc == 0, out
     r, one = _json(tmp_path / "r.json"), _json(oracle / "one.json")
     assert r["dims"] == {"dp_replicate": 1, "dp_shard": 1, "ep": 2} and r["data_parallel"] == "none"
@@ -405,12 +420,14 @@ def test_replicated_tokens_is_bitwise_the_one_process_run(oracle, tmp_path):
 def test_autocast_bf16_at_w2_matches_the_one_process_autocast_run(tmp_path, one_thread):
     """``--autocast bfloat16`` (fp32 parameters, the forward under autocast): the W = 2 run (FSDP, ep 2) gives the
     one-process autocast run's losses within the bf16 tolerance and much closer to them than to the fp32 run's
-    (autocast did run, at every rank alike); the JSON records it."""
+    (autocast did run, at every rank alike, also in the recompute of ``--activation-checkpointing``); the JSON
+    records it."""
     runs = {}
     for name, extra in (("fp32", []), ("bf16", ["--autocast", "bfloat16"])):
         assert main([*ARGV, *extra, "--json", str(tmp_path / f"{name}.json")]) == 0
         runs[name] = _json(tmp_path / f"{name}.json")
-    rc, out, _ = torchrun(2, [*ARGV[1:], "--autocast", "bfloat16", *LAYOUT, "--json", str(tmp_path / "two.json")])
+    rc, out, _ = torchrun(2, [*ARGV[1:], "--autocast", "bfloat16", *LAYOUT, "--activation-checkpointing", "--json",
+                              str(tmp_path / "two.json")])
     assert rc == 0, out
     two, one = _json(tmp_path / "two.json"), runs["bf16"]
     assert one["autocast"] == two["autocast"] == "bfloat16" and runs["fp32"]["autocast"] is None

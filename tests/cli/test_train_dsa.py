@@ -37,7 +37,10 @@ pytestmark = pytest.mark.usefixtures("eager_cpu_kernels")
 DSA = ["--attention", "dsa", "--dsa-topk", "8", "--index-heads", "2", "--index-head-dim", "8"]
 #: two warm-up steps of the four: the warm-up, the transition and two sparse steps
 N = 2
-WARM = [*DSA, "--dsa-dense-steps", str(N), *F64]
+#: two micro-batches per step: the warm-up and the sparse stage accumulate (their aux and indexer losses each
+#: micro-batch's)
+M = 2
+WARM = [*DSA, "--dsa-dense-steps", str(N), "--micro-batches", str(M), *F64]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +72,8 @@ def _initial():
 
 
 def _reference():
-    """The run computed directly: the layers in ``dense_warmup`` mode for the first N steps, where the gradient of
+    """The run computed directly, each step's loss the sum over its M micro-batches of their cross-entropy over the
+    step's targets and their aux terms over M: the layers in ``dense_warmup`` mode for the first N steps, where the gradient of
     the reported loss is taken with respect to the indexers' parameters alone (the LM and MoE losses do not reach
     them) and one AdamW steps those; then the sparse stage, where a second AdamW, fresh, steps the rest, its
     schedule the run's from step N. Returns the losses and the final parameters."""
@@ -90,9 +94,10 @@ def _reference():
         warm = step < N
         for layer in layers:
             layer.dense_warmup = warm
-        tokens, targets, cu, n = data.batch(step)
-        logits, aux = model(tokens, cu.tolist())
-        loss = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum") / n + aux
+        loss = 0.0
+        for tokens, targets, cu, n in data.batches(step, micro_batches=M):
+            logits, aux = model(tokens, cu.tolist())
+            loss = loss + F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum") / n + aux / M
         losses.append(float(loss.detach()))
         params = indexer if warm else indexer + rest
         grads = torch.autograd.grad(loss, params, materialize_grads=True)
@@ -150,17 +155,20 @@ def _assert_close_checkpoint(a: dict, b: dict) -> None:
 
 @pytest.mark.distributed
 def test_two_ranks_fsdp_and_ddp_match_the_one_process_run(one, tmp_path, one_thread):
-    """W = 2, ep 2, float64, the indexer loss a per-rank mean averaged over the ranks: FSDP from step 0 gives the
-    one-process losses and recall, its warm-up checkpoint the frozen parameters bitwise; DDP resumed from its
-    checkpoint inside the warm-up (DDP finds the frozen parameters unused, then trains them) gives the
-    one-process losses and final parameters and optimizer state; its checkpoint at the warm-up's end resumed
-    in one process (the optimizer state of parameters that have not stepped, resharded) the same losses."""
+    """W = 2, ep 2, float64, two micro-batches a step, the indexer loss a per-rank mean averaged over the ranks: FSDP
+    from step 0 with ``--activation-checkpointing`` gives the one-process losses and recall, its warm-up checkpoint
+    the frozen parameters bitwise; DDP resumed from its checkpoint inside the warm-up (DDP finds the frozen
+    parameters unused, then trains them) gives the one-process losses, parameters and optimizer state, until a NaN
+    in rank 1's first micro-batch of step 3 stops both ranks after the step's last forward, before the optimizer
+    step, naming the step and the rank; the FSDP checkpoint at the warm-up's end resumed in one process (the
+    optimizer state of parameters that have not stepped, resharded) the same losses."""
     want = _json(one / "one.json")
-    rc, out, _ = torchrun(2, [*ARGV[1:], *WARM, *LAYOUT, "--save", str(tmp_path / "two"), "--save-every", "1",
-                              "--json", str(tmp_path / "two.json")])
+    rc, out, _ = torchrun(2, [*ARGV[1:], *WARM, *LAYOUT, "--activation-checkpointing", "--save", str(tmp_path / "two"),
+                              "--save-every", "1", "--json", str(tmp_path / "two.json")])
     assert rc == 0, out
     two = _json(tmp_path / "two.json")
     assert two["world_size"] == 2 and two["dsa_dense_steps"] == N
+    assert (two["micro_batches"], two["activation_checkpointing"]) == (M, True)
     assert _rel(two["loss"], want["loss"]) <= F64_RTOL and two["recall"] == want["recall"]
     frozen_one, frozen_two = (_checkpoint(d / f"step_{N}", tmp_path)["model"] for d in (one / "ck", tmp_path / "two"))
     names = _indexer_names(_initial()[2])
@@ -169,12 +177,16 @@ def test_two_ranks_fsdp_and_ddp_match_the_one_process_run(one, tmp_path, one_thr
     for name, step in (("ddp", 1), ("one", N)):
         shutil.copytree(tmp_path / "two" / f"step_{step}", tmp_path / name / f"step_{step}")
     rc, out, _ = torchrun(2, [*ARGV[1:], *DSA, *F64, *LAYOUT, "--ddp", "--resume", str(tmp_path / "ddp"), "--save",
-                              str(tmp_path / "ddp"), "--json", str(tmp_path / "ddp.json")])
-    assert rc == 0, out
+                              str(tmp_path / "ddp"), "--save-every", "1", "--json", str(tmp_path / "ddp.json")],
+                          SPARSEOPS_TRAIN_FAULT="nan:rank=1:step=3")
+    assert rc != 0
     ddp = _json(tmp_path / "ddp.json")
     assert ddp["data_parallel"] == "ddp" and ddp["resumed_from"] == 1 and ddp["dsa_dense_steps"] == N
-    assert _rel(ddp["loss"], want["loss"][1:]) <= F64_RTOL
-    _assert_close_checkpoint(_checkpoint(tmp_path / "ddp" / "step_4", tmp_path),
-                             _checkpoint(one / "ck" / "step_4", tmp_path))
+    assert ddp["micro_batches"] == M and ddp["steps"] == [1, 2]
+    assert _rel(ddp["loss"], want["loss"][1:3]) <= F64_RTOL
+    assert ddp["error"].startswith("step 3: non-finite loss on rank(s) [1]")
+    assert out.count("stopped at step 3: non-finite loss on rank(s) [1]") == 2, out
+    _assert_close_checkpoint(_checkpoint(tmp_path / "ddp" / "step_3", tmp_path),
+                             _checkpoint(one / "ck" / "step_3", tmp_path))
     assert main([*ARGV, *DSA, *F64, "--resume", str(tmp_path / "one"), "--json", str(tmp_path / "r.json")]) == 0
     assert _rel(_json(tmp_path / "r.json")["loss"], want["loss"][N:]) <= F64_RTOL

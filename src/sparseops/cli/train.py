@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batches", type=int, default=None, metavar="M",
                    help="forward/backward passes per step, each over B/M sequences of the global batch, gradients "
                         "accumulated (default 1); the aux loss is the mean of the micro-batches'")
+    g.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block's activations in the backward (torch's checkpoint_wrapper): less "
+                        "memory, the same losses")
     g.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                    help="of the parameters, gradients, optimizer state and checkpoints")
     g.add_argument("--autocast", choices=("bfloat16",), default=None,
@@ -272,7 +275,8 @@ def build_spec(args: argparse.Namespace, world: int):
     spec = RunSpec(model=model, optim=optim, task=task, data_path=args.data, data_dtype=args.data_dtype,
                    seq_len=seq_len, dtype=getattr(torch, args.dtype), layout=layout, save_dir=args.save,
                    save_every=args.save_every, resume=resume, comm_timeout=args.comm_timeout,
-                   log_every=args.log_every, compile=args.compile, dsa_dense_steps=dense_steps, micro_batches=micro,
+                   log_every=args.log_every, compile=args.compile, dsa_dense_steps=dense_steps,
+                   micro_batches=micro, activation_checkpointing=args.activation_checkpointing,
                    autocast=None if args.autocast is None else getattr(torch, args.autocast))
     return dataclasses.replace(spec, settings=_resume.settings(spec, _MODEL_INT + _MODEL_FLOAT, _RECALL))
 
@@ -415,6 +419,7 @@ def _result_json(args, spec, world: int, result: dict, error: str | None) -> dic
             "dims": spec.layout.dims(), "data_parallel": spec.layout.data_parallel,
             "dtype": args.dtype, "autocast": args.autocast, "attention": spec.model.attention,
             "dsa_dense_steps": spec.dsa_dense_steps, "micro_batches": spec.micro_batches,
+            "activation_checkpointing": spec.activation_checkpointing,
             "data": args.data or "recall", "recall": result.get("recall"),
             "checkpoints": result.get("checkpoints", []), "seconds": result.get("seconds"), "error": error}
 

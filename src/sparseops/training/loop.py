@@ -103,6 +103,8 @@ class RunSpec:
     #: ``M``: forward / backward passes per step, over consecutive pieces of the global batch (docs/training.md,
     #: "One step")
     micro_batches: int = 1
+    #: each block of the LM under torch's ``checkpoint_wrapper`` (its activations recomputed in the backward)
+    activation_checkpointing: bool = False
 
 
 def make_data(spec: RunSpec):
@@ -111,6 +113,15 @@ def make_data(spec: RunSpec):
         return RecallStream(spec.task, spec.optim.batch_size, spec.optim.seed)
     return TokenFile(spec.data_path, spec.data_dtype, spec.seq_len, spec.optim.batch_size, spec.optim.seed,
                      vocab_size=spec.model.vocab_size or None)
+
+
+def checkpoint_blocks(model: torch.nn.Module) -> None:
+    """Wrap each block of the LM in torch's ``checkpoint_wrapper``, before ``parallelize`` (docs/training.md,
+    "Activation checkpointing and torch.compile"); the state dict's keys stay the plain model's."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = checkpoint_wrapper(block)
 
 
 def _parallelize(model: torch.nn.Module, layout: Layout, timeout: float, ddp: dict | None = None) -> None:
@@ -145,6 +156,8 @@ def train_run(spec: RunSpec, result: dict, *, device: torch.device | None = None
                dist.group.WORLD if replicated_tokens else None, cfg, device, spec.autocast, spec.micro_batches)
     model = build_model(model_cfg, cfg.seed, spec.dtype, device, ep_group=ctx.ep_group,
                         dispatcher=layout.dispatcher)
+    if spec.activation_checkpointing:
+        checkpoint_blocks(model)
     if world > 1 and not replicated_tokens:  # replicated tokens: the MoE layers on the world group
         _parallelize(model, layout, spec.comm_timeout, ddp_options(spec.dsa_dense_steps, layout.data_parallel))
     run = torch.compile(model) if spec.compile else model
