@@ -5,6 +5,7 @@ train``, which reports on rank 0 only, takes the ``*_problem`` answers."""
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 #: the seeds every generator the commands seed accepts, with room for the offsets added to them
@@ -40,6 +41,33 @@ def out_file_problem(flag: str, path: str | os.PathLike, replace: bool = False) 
     if replace and path.exists() and not path.is_file():
         return f"{flag}: expected a regular file path, got {os.fspath(path)!r}, which exists and is not a regular file"
     return out_dir_problem(flag, path.parent)
+
+
+def outputs_problem(folder: str | os.PathLike | None, file: str | os.PathLike | None, folder_flag: str,
+                    file_flag: str) -> str | None:
+    """Create the output ``folder`` and ``file``'s folder (either None: none) and write a probe file in each, so
+    that a target that cannot be written fails now, before any work, not at the first checkpoint or the end of a
+    run; what went wrong, or None. Nothing is created when :func:`out_dir_problem` or :func:`out_file_problem`
+    refuses either (the checks come first)."""
+    targets, problems = [], []
+    if folder is not None:
+        targets.append((folder_flag, Path(folder)))
+        problems.append(out_dir_problem(folder_flag, folder))
+    if file is not None:
+        targets.append((file_flag, Path(file).parent))
+        problems.append(out_file_problem(file_flag, file, replace=True))
+    for problem in filter(None, problems):
+        return problem
+    for flag, where in targets:  # and by writing there (a check of the mode bits says yes to root)
+        try:
+            where.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".sparseops-write-check-", dir=where)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            return (f"{flag}: expected a directory that can be written, got {os.fspath(where)!r} "
+                    f"({exc.strerror or exc})")
+    return None
 
 
 def _exit(prog: str, problem: str | None) -> None:

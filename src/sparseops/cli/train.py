@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from . import _resume
-from ._flags import out_dir_problem, out_file_problem, seed_problem
+from ._flags import outputs_problem, seed_problem
 from ._resume import LEFT_OUT
 
 HELP = "train the NSA + MoE LM under torchrun (or in one process): layouts, DCP checkpoints, resume, faults"
@@ -371,29 +371,11 @@ def check_run(spec, data, args: argparse.Namespace):
 
 
 def check_outputs(args: argparse.Namespace, rank: int) -> None:
-    """Create ``--save DIR`` and write a file in it (every rank), and the same in ``--json``'s folder (rank 0, the
-    one that writes it): a target that cannot be written fails here, before any collective, not at the first
-    checkpoint after S steps or at the end of the run. The last check: nothing is created when another fails."""
-    import tempfile
-
-    targets, problems = [], []
-    if args.save is not None:
-        targets.append(("--save", Path(args.save)))
-        problems.append(out_dir_problem("--save", args.save))
-    if args.json is not None and rank == 0:
-        targets.append(("--json", Path(args.json).parent))
-        problems.append(out_file_problem("--json", args.json, replace=True))
-    for problem in filter(None, problems):
+    """``--save`` (every rank) and ``--json`` (rank 0, the one that writes it) created and written to
+    (:func:`._flags.outputs_problem`): the last check before any collective."""
+    problem = outputs_problem(args.save, args.json if rank == 0 else None, "--save", "--json")
+    if problem is not None:
         raise _Bad(problem)
-    for flag, folder in targets:  # and by writing there (a check of the mode bits says yes to root)
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            fd, probe = tempfile.mkstemp(prefix=".sparseops-write-check-", dir=folder)
-            os.close(fd)
-            os.unlink(probe)
-        except OSError as exc:
-            raise _Bad(f"{flag}: expected a directory that can be written, got {os.fspath(folder)!r} "
-                       f"({exc.strerror or exc})") from None
 
 
 def config_argv(task, model, optim) -> list[str]:
