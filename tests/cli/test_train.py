@@ -312,6 +312,17 @@ def _json(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def main_one_thread(argv: list[str]) -> int:
+    """``sparseops train`` in this process on one torch thread (the EP ranks' count: module fixtures, which the
+    ``one_thread`` fixture cannot serve)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return main(argv)
+    finally:
+        torch.set_num_threads(n)
+
+
 def _rel(a: list[float], b: list[float]) -> float:
     a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
     assert a.shape == b.shape
@@ -327,12 +338,7 @@ def oracle(tmp_path_factory):
     """The one-process float64 run (4 steps) and the W = 2 run of the same flags, launched as two torchrun agents
     of one rank each (``--nnodes 2``, c10d rendezvous on 127.0.0.1), checkpoints every 2 steps."""
     root = tmp_path_factory.mktemp("train")
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert main([*ARGV, *F64, "--save", str(root / "one"), "--json", str(root / "one.json")]) == 0
-    finally:
-        torch.set_num_threads(n)
+    assert main_one_thread([*ARGV, *F64, "--save", str(root / "one"), "--json", str(root / "one.json")]) == 0
     port = free_port()
     agent = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
              f"127.0.0.1:{port}", "--rdzv-id", f"sparseops-{port}"]

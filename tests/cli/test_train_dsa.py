@@ -29,6 +29,7 @@ from .test_train import (
     _flat,
     _json,
     _rel,
+    main_one_thread,
     torchrun,
 )
 
@@ -47,13 +48,8 @@ WARM = [*DSA, "--dsa-dense-steps", str(N), "--micro-batches", str(M), *F64]
 def one(tmp_path_factory):
     """The one-process float64 run, a checkpoint after every step."""
     root = tmp_path_factory.mktemp("dsa")
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert main([*ARGV, *WARM, "--save", str(root / "ck"), "--save-every", "1", "--json",
-                     str(root / "one.json")]) == 0
-    finally:
-        torch.set_num_threads(n)
+    assert main_one_thread([*ARGV, *WARM, "--save", str(root / "ck"), "--save-every", "1", "--json",
+                            str(root / "one.json")]) == 0
     return root
 
 

@@ -15,7 +15,7 @@ import torch
 from sparseops.cli import main
 
 from ..models.test_lm import TINY_TASK
-from .test_train import ARGV, ARGV_DATA, CFG, MODEL, _checkpoint, _json
+from .test_train import ARGV, ARGV_DATA, CFG, MODEL, _checkpoint, _json, main_one_thread
 
 pytestmark = pytest.mark.usefixtures("eager_cpu_kernels")
 
@@ -24,12 +24,7 @@ pytestmark = pytest.mark.usefixtures("eager_cpu_kernels")
 def saved(tmp_path_factory):
     """A one-process run's checkpoints ``ck/step_2`` and ``ck/step_4``, ``two/step_2`` alone, and a token file."""
     root = tmp_path_factory.mktemp("saved")
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert main([*ARGV, "--save", str(root / "ck"), "--save-every", "2"]) == 0
-    finally:
-        torch.set_num_threads(n)
+    assert main_one_thread([*ARGV, "--save", str(root / "ck"), "--save-every", "2"]) == 0
     (root / "two").mkdir()
     shutil.copytree(root / "ck" / "step_2", root / "two" / "step_2")
     (torch.arange(4 * 81 * 3) % 24).to(torch.uint16).numpy().tofile(root / "t.bin")  # the recall task's vocabulary
