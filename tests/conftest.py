@@ -90,10 +90,10 @@ def nan_uninitialised(monkeypatch):
 def one_thread():
     """One torch thread for the test (the EP ranks' thread count: MKL rounds some small GEMMs, 5-11 rows,
     differently with two threads than with one)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    from sparseops.testing import torch_threads
+
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ same inputs. They are used for every op, MoE and NSA, and never tuned per test.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -72,6 +73,17 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
             f"max |diff| {diff.max().item():.3e} at {where} (got {a[where].item() if where else '?'}, "
             f"expected {e[where].item() if where else '?'}); shape {tuple(a.shape)}"
         )
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """``torch.set_num_threads(n)`` for the block, the previous count restored after it."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def poison_(t: torch.Tensor) -> torch.Tensor:

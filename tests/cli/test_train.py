@@ -20,7 +20,7 @@ from sparseops.cli import main
 from sparseops.cli.train import config_argv
 from sparseops.distributed.launch import free_port
 from sparseops.models.train import TrainConfig, train
-from sparseops.testing import TOLERANCES
+from sparseops.testing import TOLERANCES, torch_threads
 
 from ..models.test_lm import TINY, TINY_TASK
 
@@ -315,12 +315,8 @@ def _json(path: Path) -> dict:
 def main_one_thread(argv: list[str]) -> int:
     """``sparseops train`` in this process on one torch thread (the EP ranks' count: module fixtures, which the
     ``one_thread`` fixture cannot serve)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         return main(argv)
-    finally:
-        torch.set_num_threads(n)
 
 
 def _rel(a: list[float], b: list[float]) -> float:

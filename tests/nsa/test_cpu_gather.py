@@ -13,7 +13,7 @@ import sparseops
 from sparseops import _cpu_attention
 from sparseops._varlen import normalize_cu_seqlens
 from sparseops.nsa import cpu_gather, reference, torch_impl, torch_plan
-from sparseops.testing import assert_close, make_nsa_inputs
+from sparseops.testing import assert_close, make_nsa_inputs, torch_threads
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
@@ -130,14 +130,10 @@ def test_backward_bitwise_repeatable_and_threads_agree(monkeypatch):
     r1, r2 = _cpp(a, dout), _cpp(a, dout)
     for x, y in zip(r1, r2):
         assert torch.equal(x, y)
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 3):
-            torch.set_num_threads(n)
+    for n in (1, 3):
+        with torch_threads(n):
             for x, y in zip(_cpp(a, dout), r1):
                 assert_close(x, y, torch.float32)
-    finally:
-        torch.set_num_threads(threads)
     monkeypatch.setattr(_cpu_attention, "TASK_BYTES", 1)  # one dK / dV buffer: the same sums up to rounding
     for x, y in zip(_cpp(a, dout), r1):
         assert_close(x, y, torch.float32)
