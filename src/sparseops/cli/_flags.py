@@ -56,7 +56,8 @@ def outputs_problem(folder: str | os.PathLike | None, file: str | os.PathLike | 
     if file is not None:
         targets.append((file_flag, Path(file).parent))
         problems.append(out_file_problem(file_flag, file, replace=True))
-    for problem in filter(None, problems):
+    problem = next(filter(None, problems), None)
+    if problem is not None:
         return problem
     for flag, where in targets:  # and by writing there (a check of the mode bits says yes to root)
         try:
