@@ -217,3 +217,24 @@ def test_resume_without_optimizer_flags_keeps_the_checkpoints(saved):
     assert (spec.optim.lr, spec.optim.weight_decay) != (CFG.lr, CFG.weight_decay)  # the flags' defaults
     spec = check_run(spec, make_data(spec), args)
     assert (spec.optim.lr, spec.optim.weight_decay) == (CFG.lr, CFG.weight_decay)
+
+
+def test_resume_with_other_steps_takes_the_new_schedule_from_its_first_step(saved, tmp_path, monkeypatch,
+                                                                            one_thread):
+    """``--steps`` may change on resume (the schedule is a function of the flags): the first resumed step's
+    learning rate is the new schedule's, not the one the checkpoint's optimizer holds (its run's schedule)."""
+    import dataclasses
+
+    from sparseops.models.train import lr_at
+
+    lrs = []
+    adam_step = torch.optim.AdamW.step
+
+    def record(opt, *args, **kwargs):
+        lrs.append(opt.param_groups[0]["lr"])
+        return adam_step(opt, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", record)
+    assert main([*ARGV, "--resume", str(saved / "two"), "--steps", "3"]) == 0
+    # the last call is step 2's, the run's one step (DCP's load steps the optimizer at lr 0 to make its state)
+    assert lrs[-1] == lr_at(2, dataclasses.replace(CFG, steps=3)) != lr_at(2, CFG)

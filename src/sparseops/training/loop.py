@@ -172,6 +172,7 @@ def train_run(spec: RunSpec, result: dict, *, device: torch.device | None = None
     if spec.resume is not None:
         stages.before_load(spec.resume)
         result["resumed_from"] = checkpoint.load(spec.resume, model, opt, state)
+        _schedule_lr(opt, sched)
     fault = fault_from_env()
     start = time.perf_counter()
     for step in range(state.step, cfg.steps):
@@ -202,6 +203,15 @@ def train_run(spec: RunSpec, result: dict, *, device: torch.device | None = None
             result["recall"] = recall(model, spec.task, cfg, device, dist.group.WORLD if ctx.dp_world > 1 else None)
     result["seconds"] = time.perf_counter() - start
     return result
+
+
+def _schedule_lr(opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LambdaLR) -> None:
+    """The learning rate of the resumed step from this run's schedule (``--steps`` and ``--warmup`` may change on
+    resume): the loaded optimizer holds the rate its run's schedule set, which would drive the first step; the
+    same arithmetic as ``LambdaLR.step``, so an unchanged schedule gives the same rate bitwise."""
+    lrs = [base * factor(sched.last_epoch) for base, factor in zip(sched.base_lrs, sched.lr_lambdas, strict=True)]
+    for group, lr in zip(opt.param_groups, lrs, strict=True):
+        group["lr"] = lr
 
 
 @dataclass(frozen=True)
