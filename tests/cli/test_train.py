@@ -77,10 +77,11 @@ def test_one_process_is_the_demo_training(tmp_path, one_thread):
     assert r["error"] is None
 
 
-def test_resume_is_bitwise_and_skips_an_incomplete_checkpoint(tmp_path, one_thread):
+def test_resume_is_bitwise_and_skips_an_incomplete_checkpoint(tmp_path, monkeypatch, capsys, one_thread):
     """Two micro-batches per step, saved every 2 steps; the last checkpoint made incomplete: the resumed run starts
     at step 2 with a warning, takes the checkpoint's --micro-batches and, with --activation-checkpointing added,
-    its losses and final checkpoint (model, optimizer, scheduler, RNG, data) are bitwise the uninterrupted run's."""
+    its losses and final checkpoint (model, optimizer, scheduler, RNG, data) are bitwise the uninterrupted run's.
+    Its M kept at W = 4 (B / W = 1 sequence a rank) is refused before any collective, naming the flag to change."""
     a, b = tmp_path / "a", tmp_path / "b"
     assert main([*ARGV, "--micro-batches", "2", "--save", str(a), "--save-every", "2", "--json",
                  str(tmp_path / "a.json")]) == 0
@@ -95,6 +96,13 @@ def test_resume_is_bitwise_and_skips_an_incomplete_checkpoint(tmp_path, one_thre
     assert resumed["resumed_from"] == 2 and resumed["steps"] == [2, 3] and resumed["micro_batches"] == 2
     assert resumed["loss"] == whole["loss"][2:]
     _assert_same_checkpoint(_checkpoint(b / "step_4", tmp_path), full)
+    for k, v in {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    capsys.readouterr()
+    assert main([*ARGV, "--resume", str(b), "--comm-timeout", "5"]) == 2
+    assert ("--micro-batches: expected a divisor of --global-batch / the data-parallel ranks = 4 / 4 = 1, got 2 (the "
+            "checkpoint's, which --resume keeps: give --micro-batches to change it)") in capsys.readouterr().err
 
 
 def test_token_file(tmp_path, one_thread):
@@ -106,11 +114,11 @@ def test_token_file(tmp_path, one_thread):
     assert len(r["loss"]) == 4 and r["loss"][-1] < r["loss"][0] and r["recall"] is None and r["data"].endswith("t.bin")
 
 
-def _micro_batch_oracle(micro: int, clip: float) -> tuple[list[float], list[list[torch.Tensor]]]:
+def _micro_batch_oracle(micro: list[int], clip: float) -> tuple[list[float], list[list[torch.Tensor]]]:
     """The float64 losses and gradients (clipped, as the optimizer takes them) of each step of the definition with
-    ``micro`` micro-batches of consecutive sequences, from one backward of the whole objective: every cross-entropy
-    over the step's target count, plus the mean of the micro-batches' aux losses (docs/training.md, "One step");
-    the demo's clipping, AdamW and schedule."""
+    ``micro[s]`` micro-batches of consecutive sequences at step ``s``, from one backward of the whole objective:
+    every cross-entropy over the step's target count, plus the mean of the micro-batches' aux losses
+    (docs/training.md, "One step"); the demo's clipping, AdamW and schedule."""
     import torch.nn.functional as F
 
     from sparseops.models.lm import expert_parameter
@@ -123,15 +131,15 @@ def _micro_batch_oracle(micro: int, clip: float) -> tuple[list[float], list[list
     opt = torch.optim.AdamW(model.parameters(), lr=CFG.lr, betas=(0.9, 0.95), weight_decay=CFG.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, CFG))
     gen, L = torch.Generator().manual_seed(CFG.seed), TINY_TASK.seq_len
-    cu = list(range(0, CFG.batch_size // micro * L + 1, L))
     losses, grads = [], []
-    for _ in range(CFG.steps):
+    for m in micro:
         batch = TINY_TASK.sample(CFG.batch_size, gen)
         ce = aux = 0.0
-        for tokens, targets in zip(batch.tokens.view(micro, -1), batch.targets.view(micro, -1)):
+        cu = list(range(0, CFG.batch_size // m * L + 1, L))
+        for tokens, targets in zip(batch.tokens.view(m, -1), batch.targets.view(m, -1)):
             logits, part = model(tokens, cu)
             ce = ce + F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
-            aux = aux + part / micro
+            aux = aux + part / m
         loss = ce / (CFG.batch_size * TINY_TASK.num_queries) + aux
         opt.zero_grad(set_to_none=False)
         loss.backward()
@@ -145,12 +153,14 @@ def _micro_batch_oracle(micro: int, clip: float) -> tuple[list[float], list[list
     return losses, grads
 
 
-def test_micro_batches(tmp_path, monkeypatch, one_thread):
+def test_micro_batches(tmp_path, monkeypatch, capsys, one_thread):
     """``--micro-batches 2`` in float64: with the aux loss off, the one-micro-batch run's losses up to rounding (the
     cross-entropy is the same sum over the step's targets; --activation-checkpointing on too, which recomputes every
     block and is bitwise the plain run in the bitwise-resume test); with it on, the definition's losses and every
     gradient the optimizer takes (the oracle above; the clip out of the way, which would hide a gradient's scale
-    from Adam). The JSON records both settings."""
+    from Adam). The JSON records both settings. Its step-2 checkpoint resumed with ``--micro-batches 4`` (a
+    relaunch on fewer ranks): the definition with M = 4 from step 2 on, a notice, M = 4 recorded for a later
+    resume."""
     from sparseops.models.lm import Block
     from sparseops.testing import TRAINING_TOLERANCE, rel_rms_error
 
@@ -172,7 +182,8 @@ def test_micro_batches(tmp_path, monkeypatch, one_thread):
     try:
         for name, extra in (("m1-aux0", ["--aux-loss-coeff", "0"]),
                             ("m2-aux0", ["--aux-loss-coeff", "0", "--micro-batches", "2", "--activation-checkpointing"]),
-                            ("m2", ["--micro-batches", "2", "--clip", "1e6"])):
+                            ("m2", ["--micro-batches", "2", "--clip", "1e6", "--save", str(tmp_path / "ck"),
+                                    "--save-every", "2"])):
             assert main([*ARGV, *F64, *extra, "--json", str(tmp_path / f"{name}.json")]) == 0
             runs[name] = _json(tmp_path / f"{name}.json")
     finally:
@@ -180,13 +191,36 @@ def test_micro_batches(tmp_path, monkeypatch, one_thread):
     assert recomputed == ["m2-aux0"] * (CFG.steps * 2 * MODEL.num_layers)  # every block, every micro-batch
     assert _rel(runs["m2-aux0"]["loss"], runs["m1-aux0"]["loss"]) <= F64_RTOL
     monkeypatch.setattr(torch.optim.AdamW, "step", adam_step)
-    want_loss, want_grads = _micro_batch_oracle(2, clip=1e6)
+    want_loss, want_grads = _micro_batch_oracle([2] * CFG.steps, clip=1e6)
     assert _rel(runs["m2"]["loss"], want_loss) <= F64_RTOL and len(grads) == CFG.steps
     for s, (got, want) in enumerate(zip(grads, want_grads)):
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
             assert rel_rms_error(g, w) <= TRAINING_TOLERANCE, (s, i)
     assert [(r["micro_batches"], r["activation_checkpointing"]) for r in runs.values()] == [
         (1, False), (2, True), (2, False)]
+    _resume_with_other_micro_batches(tmp_path, capsys, want_loss)
+
+
+def _resume_with_other_micro_batches(tmp_path: Path, capsys, m2_loss: list[float]) -> None:
+    """The M = 2 run's step-2 checkpoint resumed with ``--micro-batches 4``: the oracle switching M at step 2, which
+    differs from the M = 2 run's losses far beyond rounding there (the aux loss is the mean over micro-batches)."""
+    from sparseops.cli import build_parser
+    from sparseops.cli.train import build_spec
+    from sparseops.training.checkpoint import read_values
+
+    ck = tmp_path / "resume"
+    shutil.copytree(tmp_path / "ck" / "step_2", ck / "step_2")
+    capsys.readouterr()
+    assert main([*ARGV, *F64, "--clip", "1e6", "--resume", str(ck), "--micro-batches", "4", "--save", str(ck),
+                 "--json", str(tmp_path / "m4.json")]) == 0
+    r, want = _json(tmp_path / "m4.json"), _micro_batch_oracle([2, 2, 4, 4], clip=1e6)[0]
+    assert r["resumed_from"] == 2 and r["micro_batches"] == 4
+    assert _rel(r["loss"], want[2:]) <= F64_RTOL < 1e-3 * _rel(m2_loss[2:], want[2:])
+    assert ("--micro-batches 4 from step 2 on, the checkpoint's 2 before: the MoE load-balance loss, a mean over "
+            "the micro-batches, another function" in capsys.readouterr().out)
+    assert read_values(ck / "step_4", ["train.settings.micro-batches"]) == {"train.settings.micro-batches": 4}
+    spec = build_spec(build_parser().parse_args(["train", "--resume", str(ck)]), 1)
+    assert spec.micro_batches == 4 and spec.resumed_micro_batches is None
 
 
 def test_config_argv_spells_out_every_setting():

@@ -6,13 +6,17 @@ A checkpoint holds the flags that define what the run computes beyond the tensor
 ``--seq-len``, ``--seed`` (the token file's order, the recall evaluation), ``--global-batch`` (the token file's
 position is counted in steps) and ``--micro-batches`` (the aux loss is the mean of the micro-batches'), under
 ``train.settings.<flag>``. On ``--resume`` a flag left out takes the checkpoint's value; one given with another
-value is refused (the run would silently compute something else than the run it continues). Checkpoints
+value is refused (the run would silently compute something else than the run it continues), but for
+``--micro-batches``: a relaunch on fewer ranks raises ``M`` to keep each rank's memory, so a resume may change it
+(the run uses the new ``M`` from the resumed step on, rank 0 says so once, its checkpoints record it). Checkpoints
 written before the settings were recorded carry none: only their shapes are checked.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
 #: ``train.settings.<flag>``: the entries' prefix in a checkpoint
 PREFIX = "train.settings."
@@ -67,3 +71,67 @@ def take_saved(args: argparse.Namespace, saved: dict[str, object], flags: dict[s
             raise bad(f"--{flag}: expected the checkpoint's {value!r} with --resume ({why}), got {given!r} "
                       f"(checkpoint {path!r})")
 
+
+def read_values(path: str, keys: list[str], bad: type[Exception]) -> dict:
+    """``training.checkpoint.read_values`` of the ``--resume`` checkpoint (its files checked by
+    :func:`take_settings` first): entries that do not read raise ``bad``."""
+    from ..training import checkpoint
+
+    try:
+        return checkpoint.read_values(path, keys)
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise bad(f"--resume: expected a readable checkpoint, got {path!r}, whose entries do not read "
+                  f"({type(exc).__name__}): a damaged checkpoint") from None
+
+
+def take_settings(args: argparse.Namespace, path: str, model_fields: tuple[str, ...], recall: dict[str, str],
+                  bad: type[Exception]) -> int | None:
+    """The flags left out take the checkpoint's recorded values; one given with another value raises ``bad``, but
+    ``--micro-batches``, which may change. The first look at the checkpoint: ``read_metadata``'s checks (a
+    ``.metadata`` that reads, shards that hold its bytes) make a damaged one ``bad`` naming the file. Returns the
+    checkpoint's ``M`` (None: not recorded)."""
+    from ..distributed.checkpoint import read_metadata
+
+    try:
+        read_metadata(path)
+    except ValueError as exc:
+        raise bad(f"--resume: {str(exc).removeprefix('checkpoint_id: ')}") from None
+    flags = recorded_flags(model_fields, recall)
+    if args.data is not None:  # a token file: the recall task's settings are not this run's (its kind is checked)
+        flags = {f: d for f, d in flags.items() if not f.startswith("recall-")}
+    saved = {k.removeprefix(PREFIX): v for k, v in read_values(path, [PREFIX + f for f in flags], bad).items()}
+    micro = saved.pop("micro-batches", None)
+    if args.micro_batches is None:
+        args.micro_batches = micro
+    take_saved(args, saved, flags, path, bad, nullable=frozenset({"model_rope_theta"}))
+    return micro
+
+
+def micro_batches_problem(batch: int, ranks: int, micro: int, given: int | None, saved: int | None) -> str:
+    """The refusal of ``M = micro`` that does not divide the ``batch / ranks`` sequences of each data-parallel rank:
+    ``given`` is the flag (None: left out), ``saved`` the resumed checkpoint's ``M`` (None: no resume, or not
+    recorded)."""
+    problem = (f"--micro-batches: expected a divisor of --global-batch / the data-parallel ranks = {batch} / {ranks} "
+               f"= {batch // ranks}, got {micro}")
+    if saved is None or given == saved:
+        return problem
+    if given is None:
+        return f"{problem} (the checkpoint's, which --resume keeps: give --micro-batches to change it)"
+    return f"{problem} (the checkpoint's was {saved})"
+
+
+def micro_batches_notice(spec) -> str | None:
+    """Rank 0's line when a resume changes ``--micro-batches`` (``spec.resumed_micro_batches``: the checkpoint's
+    ``M``), else None."""
+    if spec.resumed_micro_batches is None:
+        return None
+    step = Path(os.fspath(spec.resume)).name.removeprefix("step_")
+    model = spec.model
+    terms = ["the MoE load-balance loss"] * (model.aux_loss_coeff != 0)
+    terms += ["DSA's indexer loss"] * (model.attention == "dsa" and model.indexer_loss_coeff != 0)
+    what = (f"{' and '.join(terms)}, a mean over the micro-batches, another function of the weights; the "
+            "cross-entropy the same up to rounding" if terms else "the loss the same up to rounding (no aux loss)")
+    return (f"sparseops train: --micro-batches {spec.micro_batches} from step {step} on, the checkpoint's "
+            f"{spec.resumed_micro_batches} before: {what}; this run's checkpoints record {spec.micro_batches}")

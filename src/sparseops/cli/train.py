@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seq-len", type=int, default=None, metavar="L", help="tokens per sequence")
     g.add_argument("--micro-batches", type=int, default=None, metavar="M",
                    help="forward/backward passes per step, each over B/M sequences of the global batch, gradients "
-                        "accumulated (default 1); the aux loss is the mean of the micro-batches'")
+                        "accumulated (default 1; with --resume the checkpoint's, which it may change); the aux loss "
+                        "is the mean of the micro-batches'")
     g.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block's activations in the backward (torch's checkpoint_wrapper): less "
                         "memory, the same losses")
@@ -214,13 +215,13 @@ def build_spec(args: argparse.Namespace, world: int):
     if args.device == "cuda" and not torch.cuda.is_available():
         raise _Bad("--device: expected a machine where torch sees CUDA for 'cuda', got none "
                    "(torch.cuda.is_available() is False)")
-    resume, resumed = None, 0
+    resume, resumed, given_micro, saved_micro = None, 0, args.micro_batches, None
     if args.resume is not None:
         try:
             resumed, resume = checkpoint.newest_complete(args.resume)
         except ValueError as exc:
             raise _Bad(str(exc)) from None
-        _take_settings(args, os.fspath(resume))
+        saved_micro = _resume.take_settings(args, os.fspath(resume), _MODEL_INT + _MODEL_FLOAT, _RECALL, _Bad)
     task, model, optim = demo_setup()
     given = {k: getattr(args, f.replace("-", "_")) for k, f in _OPTIM.items()}
     optim = dataclasses.replace(optim, **{k: v for k, v in given.items() if v is not None})
@@ -237,8 +238,7 @@ def build_spec(args: argparse.Namespace, world: int):
                             "none" if args.replicated_tokens else "ddp" if args.ddp else "fsdp", args.dispatcher)
     micro = args.micro_batches or 1
     if optim.batch_size % (micro * layout.data_ranks):  # each rank takes an equal share of each micro-batch
-        raise _Bad(f"--micro-batches: expected a divisor of --global-batch / the data-parallel ranks = "
-                   f"{optim.batch_size} / {layout.data_ranks} = {optim.batch_size // layout.data_ranks}, got {micro}")
+        raise _Bad(_resume.micro_batches_problem(optim.batch_size, layout.data_ranks, micro, given_micro, saved_micro))
     seq_len = args.seq_len if args.seq_len is not None else task.seq_len
     if args.data is None:
         changes = {n: getattr(args, f"recall_{n}") for n in _RECALL if getattr(args, f"recall_{n}") is not None}
@@ -276,7 +276,8 @@ def build_spec(args: argparse.Namespace, world: int):
                    seq_len=seq_len, dtype=getattr(torch, args.dtype), layout=layout, save_dir=args.save,
                    save_every=args.save_every, resume=resume, comm_timeout=args.comm_timeout,
                    log_every=args.log_every, compile=args.compile, dsa_dense_steps=dense_steps,
-                   micro_batches=micro, activation_checkpointing=args.activation_checkpointing,
+                   micro_batches=micro, resumed_micro_batches=saved_micro if saved_micro != micro else None,
+                   activation_checkpointing=args.activation_checkpointing,
                    autocast=None if args.autocast is None else getattr(torch, args.autocast))
     return dataclasses.replace(spec, settings=_resume.settings(spec, _MODEL_INT + _MODEL_FLOAT, _RECALL))
 
@@ -293,38 +294,6 @@ def _dense_steps(given: int | None, model) -> int:
         raise _Bad("--dsa-dense-steps: expected --indexer-loss-coeff > 0 with it (the warm-up trains the indexers by "
                    "their loss alone), got --indexer-loss-coeff 0")
     return given
-
-
-def _read_values(path: str, keys: list[str]) -> dict:
-    """``training.checkpoint.read_values`` of the ``--resume`` checkpoint (its files checked by
-    :func:`_take_settings` first): entries that do not read are ``_Bad``."""
-    from ..training import checkpoint
-
-    try:
-        return checkpoint.read_values(path, keys)
-    except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        raise _Bad(f"--resume: expected a readable checkpoint, got {path!r}, whose entries do not read "
-                   f"({type(exc).__name__}): a damaged checkpoint") from None
-
-
-def _take_settings(args: argparse.Namespace, path: str) -> None:
-    """The flags left out take the checkpoint's recorded values; one given with another value is refused. The
-    first look at the checkpoint: ``read_metadata``'s checks (a ``.metadata`` that reads, shards that hold its
-    bytes) make a damaged one ``_Bad`` naming the file."""
-    from ..distributed.checkpoint import read_metadata
-
-    try:
-        read_metadata(path)
-    except ValueError as exc:
-        raise _Bad(f"--resume: {str(exc).removeprefix('checkpoint_id: ')}") from None
-    flags = _resume.recorded_flags(_MODEL_INT + _MODEL_FLOAT, _RECALL)
-    if args.data is not None:  # a token file: the recall task's settings are not this run's (its kind is checked)
-        flags = {f: d for f, d in flags.items() if not f.startswith("recall-")}
-    saved = _read_values(path, [_resume.PREFIX + f for f in flags])
-    _resume.take_saved(args, {k.removeprefix(_resume.PREFIX): v for k, v in saved.items()}, flags, path, _Bad,
-                       nullable=frozenset({"model_rope_theta"}))
 
 
 def check_run(spec, data, args: argparse.Namespace):
@@ -356,7 +325,8 @@ def check_run(spec, data, args: argparse.Namespace):
     except ValueError as exc:
         raise _Bad(f"--resume: {str(exc).removeprefix('checkpoint_id: ')}") from None
     groups = [f"optim.param_groups.0.{k}" for k in ("initial_lr", "weight_decay")]
-    saved = _read_values(path, [f"train.data.{k}" for k in ("kind", "num_windows", "seq_len")] + groups)
+    saved = _resume.read_values(path, [f"train.data.{k}" for k in ("kind", "num_windows", "seq_len")] + groups,
+                                _Bad)
     if "train.data.kind" not in saved:
         raise _Bad(f"--resume: expected a checkpoint of sparseops train (with train.data.kind), got {path!r}")
     try:
@@ -463,6 +433,9 @@ def run(args: argparse.Namespace) -> int:
               + (f" under autocast {args.autocast}" if args.autocast else "") + f" on {device.type}"
               + (f", DSA dense warm-up for {spec.dsa_dense_steps} steps" if spec.dsa_dense_steps else "")
               + (f", resuming from {spec.resume}" if spec.resume else ""), flush=True)
+        notice = _resume.micro_batches_notice(spec)
+        if notice:
+            print(notice, flush=True)
 
     def on_step(step: int, loss: float) -> None:
         if spec.log_every and ((step + 1) % spec.log_every == 0 or step + 1 == spec.optim.steps):

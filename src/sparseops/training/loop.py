@@ -103,6 +103,8 @@ class RunSpec:
     #: ``M``: forward / backward passes per step, over consecutive pieces of the global batch (docs/training.md,
     #: "One step")
     micro_batches: int = 1
+    #: the resumed checkpoint's ``M`` when this run's differs (``--resume DIR --micro-batches M2``), else None
+    resumed_micro_batches: int | None = None
     #: each block of the LM under torch's ``checkpoint_wrapper`` (its activations recomputed in the backward)
     activation_checkpointing: bool = False
 
