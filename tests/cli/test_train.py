@@ -440,19 +440,6 @@ def test_hung_rank_ends_the_job_within_the_timeout(tmp_path):
 
 
 @pytest.mark.distributed
-def test_replicated_tokens_is_bitwise_the_one_process_run(oracle, tmp_path):
-    """``--replicated-tokens`` (the demo's exact EP mode): every rank runs the whole batch, the MoE layers split
-    its tokens: every float64 loss and the recall are bitwise the one-process run's (with
-    ``--activation-checkpointing``: the recompute repeats each MoE layer's collectives in the backward)."""
-    rc, out, _ = torchrun(2, [*ARGV[1:], *F64, "--ep", "2", "--replicated-tokens", "--activation-checkpointing",
-                              "--json", str(tmp_path / "r.json")])
-    assert rc == 0, out
-    r, one = _json(tmp_path / "r.json"), _json(oracle / "one.json")
-    assert r["dims"] == {"dp_replicate": 1, "dp_shard": 1, "ep": 2} and r["data_parallel"] == "none"
-    assert r["loss"] == one["loss"] and r["recall"] == one["recall"]
-
-
-@pytest.mark.distributed
 def test_autocast_bf16_at_w2_matches_the_one_process_autocast_run(tmp_path, one_thread):
     """``--autocast bfloat16`` (fp32 parameters, the forward under autocast): the W = 2 run (FSDP, ep 2) gives the
     one-process autocast run's losses within the bf16 tolerance and much closer to them than to the fp32 run's

@@ -1,7 +1,8 @@
 """``sparseops train --attention dsa --dsa-dense-steps N`` (docs/dsa.md, "The two stages in ``sparseops train``"):
 the warm-up freezes every parameter but the indexers', its losses and the sparse stage after it against a direct
 computation with the layers in ``dense_warmup`` mode, resumes inside and at the end of the warm-up, and the
-W = 2 layouts (FSDP, DDP; torchrun subprocesses, marked distributed) against the one-process float64 run."""
+W = 2 layouts (FSDP, DDP, replicated tokens; torchrun subprocesses, marked distributed) against the one-process
+float64 run."""
 
 from __future__ import annotations
 
@@ -186,3 +187,19 @@ def test_two_ranks_fsdp_and_ddp_match_the_one_process_run(one, tmp_path, one_thr
                              _checkpoint(one / "ck" / "step_3", tmp_path))
     assert main([*ARGV, *DSA, *F64, "--resume", str(tmp_path / "one"), "--json", str(tmp_path / "r.json")]) == 0
     assert _rel(_json(tmp_path / "r.json")["loss"], want["loss"][N:]) <= F64_RTOL
+
+
+@pytest.mark.distributed
+def test_replicated_tokens_is_bitwise_the_one_process_run(one, tmp_path):
+    """``--replicated-tokens`` (the demo's exact EP mode) at W = 2 through the warm-up and the sparse stage: every
+    rank runs the whole batch, the MoE layers split its tokens; every float64 loss and the recall bitwise the
+    one-process run's (with ``--activation-checkpointing``: the recompute repeats each MoE layer's collectives in
+    the sparse steps' backward; in the warm-up's, which reaches the indexers alone, none runs on any rank). The
+    NSA model's replicated run is the demo's EP rerun (tests/cli/test_demo.py)."""
+    rc, out, _ = torchrun(2, [*ARGV[1:], *WARM, "--ep", "2", "--replicated-tokens", "--activation-checkpointing",
+                              "--json", str(tmp_path / "r.json")])
+    assert rc == 0, out
+    r, want = _json(tmp_path / "r.json"), _json(one / "one.json")
+    assert r["dims"] == {"dp_replicate": 1, "dp_shard": 1, "ep": 2} and r["data_parallel"] == "none"
+    assert (r["dsa_dense_steps"], r["micro_batches"]) == (N, M)
+    assert r["loss"] == want["loss"] and r["recall"] == want["recall"]
