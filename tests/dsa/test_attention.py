@@ -91,3 +91,14 @@ def test_loss_target_shape_is_checked():
     scores = torch.zeros(10, 3, dtype=torch.float64)
     with pytest.raises(ValueError, match="target"):
         indexer_kl_loss(q, k, idx, scores, scale=0.5, head_num=4, target=torch.zeros(10, 2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("target", [False, True], ids=["out", "with-target"])
+def test_second_derivative_is_an_error_not_a_silent_zero(target):
+    # the backward runs outside autograd (the seed op, or the C++ kernels of the target's pass)
+    q, k, v, idx = _case(10, 4, 1, 3, torch.float64)
+    out = sparse_attention(q, k, v, idx, scale=0.5, return_target=target)
+    (dq,) = torch.autograd.grad((out[0] if target else out).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        (dq.pow(2).sum() + q.sum()).backward()
+

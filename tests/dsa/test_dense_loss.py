@@ -200,3 +200,11 @@ def test_bad_input(edit, exc, msg):
     edit(a)
     with pytest.raises(exc, match=msg):
         indexer_dense_kl_loss(**a)
+
+
+def test_second_derivative_is_an_error():
+    q, k, q_idx, k_idx, w = _inputs(9, 2, 1, 2, 4)
+    (dw,) = torch.autograd.grad(indexer_dense_kl_loss(q, k, q_idx, k_idx, w, scale=0.5, head_num=2), w,
+                                create_graph=True)
+    with pytest.raises(RuntimeError, match="indexer_dense_kl_loss is not differentiable twice"):
+        (dw.pow(2).sum() + w.sum()).backward()

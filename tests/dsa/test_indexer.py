@@ -180,3 +180,13 @@ def test_bad_input(edit, exc, msg):
     edit(a)
     with pytest.raises(exc, match=msg):
         indexer_topk(**a)
+
+
+def test_second_derivative_is_an_error_not_a_silent_zero():
+    # the backward runs outside autograd (C++ kernels, or ops writing into buffers)
+    q, k, w = (t.requires_grad_() for t in _inputs(10))
+    idx, sc = indexer_topk(q, k, w, 3)
+    # an incoming gradient that is a constant: dw depends on q and k through the saved inputs only
+    (dw,) = torch.autograd.grad(sc[idx >= 0].sum(), w, create_graph=True)
+    with pytest.raises(RuntimeError, match="indexer_topk is not differentiable twice"):
+        (dw.pow(2).sum() + w.sum()).backward()

@@ -195,3 +195,19 @@ def test_the_torch_target_takes_out_of_range_positions_as_empty(monkeypatch):
     lens = torch.tensor([12] * 12 + [8] * 8)[:, None]
     want = loss._target(q, k, torch.where((idx < 0) | (idx >= lens), -1, idx), 0.3, cu)
     assert torch.equal(loss._target(q, k, idx, 0.3, cu), want)
+
+
+def test_second_derivative_is_exact_or_an_error():
+    # the torch ops differentiate twice; the C++ kernels' backward runs outside autograd: an error, never a silent 0
+    q, k, indices, scores, _ = _case(8, None, 4, 2, 3)
+    s = scores.detach().masked_fill(indices < 0, 0.0).requires_grad_()
+
+    def f(s):
+        return indexer_kl_loss(q, k, indices, s, scale=0.5, head_num=4)
+
+    if loss.EXTENSION.available(s):
+        (g,) = torch.autograd.grad(f(s), s, create_graph=True)
+        with pytest.raises(RuntimeError, match="indexer_kl_loss is not differentiable twice"):
+            (g.pow(2).sum() + s.sum()).backward()
+    else:
+        assert torch.autograd.gradgradcheck(f, (s,))

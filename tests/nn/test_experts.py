@@ -118,3 +118,11 @@ def test_under_autocast_the_gemms_run_in_its_dtype(activation):
             TypeError, match=r"x: expected dtype torch.float32 \(the experts' weights\) or torch.bfloat16 \(the "
                              r"enclosing autocast's\), got torch.float16"):
         ex(x.detach().half(), counts)
+
+
+def test_create_graph_then_a_second_derivative_is_a_clear_error():
+    experts = GroupedExperts(3, 4, 5, dtype=torch.float64)
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    (dx,) = torch.autograd.grad(experts(x, [2, 0, 3]).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="GroupedExperts is not differentiable twice"):
+        dx.sum().backward()

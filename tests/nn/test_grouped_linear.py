@@ -113,3 +113,11 @@ def test_under_autocast_it_casts_as_f_linear_does(transposed):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y64 = grouped_linear(x.double(), w.double(), counts, transposed=transposed)
     assert y64.dtype == torch.float64
+
+
+def test_create_graph_then_a_second_derivative_is_a_clear_error():
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 2, 4, dtype=torch.float64, requires_grad=True)
+    (dx,) = torch.autograd.grad(grouped_linear(x, w, [2, 0, 3]).sum(), x, create_graph=True)  # dx depends on w
+    with pytest.raises(RuntimeError, match="grouped_linear is not differentiable twice"):
+        dx.sum().backward()

@@ -198,3 +198,10 @@ def test_bad_input(case):
     args.update(changes)
     with pytest.raises(exc, match=f"^{name}:"):
         sliding_window_attention(**args)
+
+
+def test_double_backward_is_a_clear_error():
+    q, k, v = _inputs([0, 5, 11], 2, 1, 4, 3)
+    (dq,) = torch.autograd.grad(sliding_window_attention(q, k, v, [0, 5, 11], 3).pow(2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="backward of sliding_window_attention .* not differentiable"):
+        dq.pow(2).sum().backward()

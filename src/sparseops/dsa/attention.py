@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _backend, _checks
+from .. import _autograd, _backend, _checks
 from .._varlen import token_seq_positions
 from ..nsa import cpu_gather, torch_impl
 from ..nsa.api import FAMILY as NSA
@@ -33,6 +33,7 @@ class _AttentionWithTarget(torch.autograd.Function):
         return out, p
 
     @staticmethod
+    @_autograd.once_differentiable("sparse_attention")
     def backward(ctx, dout, _dp):
         q, k, v, out, m, l, topk = ctx.saved_tensors
         scale, cu, causal = ctx.args

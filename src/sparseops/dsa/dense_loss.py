@@ -17,7 +17,7 @@ from bisect import bisect_right
 
 import torch
 
-from .. import _checks
+from .. import _autograd, _checks
 from .._numerics import without_autocast
 from .._varlen import token_seq_positions
 from .checks import DTYPES, acc_dtype, check_attention_qk, check_indexer_args
@@ -187,6 +187,7 @@ class _DenseKL(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @_autograd.once_differentiable("indexer_dense_kl_loss")
     def backward(ctx, g):
         q, k, q_idx, k_idx, weights, lse = ctx.saved_tensors
         dq, dk, dw = _backward(q, k, q_idx, k_idx, weights, lse, g, *ctx.args)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .. import _checks
+from .. import _autograd, _checks
 from .._cpp import TASK_BYTES, Extension
 from .._topk import stable_topk
 from .._varlen import token_key_rows
@@ -130,6 +130,7 @@ class _IndexerTopk(torch.autograd.Function):
         return indices, scores
 
     @staticmethod
+    @_autograd.once_differentiable("indexer_topk")
     def backward(ctx, _d_indices, d_scores):
         q_idx, k_idx, weights, indices, start = ctx.saved_tensors
         T, Hi, Di = q_idx.shape

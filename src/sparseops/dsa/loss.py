@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _checks
+from .. import _autograd, _checks
 from .._numerics import exp_floor
 from ..nsa import cpu_gather
 from .checks import DTYPES, acc_dtype, check_attention_qk, check_positions, cu_seqlens_list
@@ -93,6 +93,7 @@ class _KLRows(torch.autograd.Function):
         return kl.sum() / T
 
     @staticmethod
+    @_autograd.once_differentiable("indexer_kl_loss")
     def backward(ctx, g):
         scores, p, ids, lse, mass = ctx.saved_tensors
         ds = torch.empty_like(scores)

@@ -164,7 +164,8 @@ def _unpermute_backward(ctx, grad_out):
 _unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup_context)
 
 
-def _resolve(backend, *tensors) -> tuple[str, bool]:
+def _resolve(op: str, backend, *tensors) -> tuple[str, bool]:
+    _autograd.check_no_forward_ad(op, *tensors)
     device = check_same_device(**{f"arg{i}": t for i, t in enumerate(tensors)})
     return _backend.resolve(FAMILY, backend, device)
 
@@ -223,7 +224,7 @@ def moe_token_permute_with_ep(
     """
     tokens, indices, probs, K, s, e = check_permute_args(tokens, indices, probs, range, num_out_tokens, padded_mode,
                                                          validate, num_experts)
-    name, auto = _resolve(backend, tokens, indices, probs)
+    name, auto = _resolve("moe_token_permute_with_ep", backend, tokens, indices, probs)
     if name == "triton" and not torch.compiler.is_compiling():
         mod = _backend.module(FAMILY, name)
         sorted_indices = getattr(mod, "sorted_indices_from", torch_impl.sorted_indices_from)(indices=indices)
@@ -283,7 +284,7 @@ def moe_token_unpermute_with_ep(
     """
     permuted_tokens, sorted_indices, probs, K, s, e = check_unpermute_args(
         permuted_tokens, sorted_indices, probs, topk_num, range, padded_mode, restore_shape, validate)
-    name, auto = _resolve(backend, permuted_tokens, sorted_indices, probs)
+    name, auto = _resolve("moe_token_unpermute_with_ep", backend, permuted_tokens, sorted_indices, probs)
     return _unpermute_op(permuted_tokens, sorted_indices, probs, K, s, e, name, auto)
 
 
@@ -339,7 +340,8 @@ def moe_token_unpermute_with_ep_grad(
     grad, sorted_indices, permuted_tokens, probs, K, s, e = check_unpermute_grad_args(
         unpermuted_tokens_grad, sorted_indices, permuted_tokens, probs, padded_mode, restore_shape, range, topk_num,
         validate)
-    name, auto = _resolve(backend, grad, sorted_indices, permuted_tokens, probs)
+    name, auto = _resolve("moe_token_unpermute_with_ep_grad", backend, grad, sorted_indices, permuted_tokens,
+                          probs)
     ptg, pg = _unpermute_grad_op(grad, sorted_indices, permuted_tokens, probs, K, s, e, name, auto)
     return ptg, (pg if probs is not None else None)
 
@@ -385,6 +387,6 @@ def moe_token_permute_with_ep_grad(
     """
     ptg, sorted_indices, ppg, K, s, e = check_permute_grad_args(
         permuted_tokens_grad, sorted_indices, permuted_probs_grad, topk_num, range, padded_mode, validate)
-    name, auto = _resolve(backend, ptg, sorted_indices, ppg)
+    name, auto = _resolve("moe_token_permute_with_ep_grad", backend, ptg, sorted_indices, ppg)
     tg, pg = _permute_grad_op(ptg, sorted_indices, ppg, K, s, e, name, auto)
     return tg, (pg if ppg is not None else None)

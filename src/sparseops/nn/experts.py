@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import _compile
+from .. import _autograd, _compile
 from .._checks import check_has_data, check_int, check_param_dtype
 from .._numerics import acc_dtype, autocast_cast, autocast_dtype
 from .._settings import Settings
@@ -169,6 +169,7 @@ class _GroupedFFN(torch.autograd.Function):
         return out
 
     @staticmethod
+    @_autograd.once_differentiable("GroupedExperts")
     def backward(ctx, gout):
         x, w1, w3, w2, h1, h3, a = ctx.saved_tensors
         counts, offs, grouped = ctx.counts, ctx.offs, ctx.grouped

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _autograd
 from .._numerics import acc_dtype, autocast_cast
 from .experts import _empty, _mm_rows, _mm_weight_grad, _use_grouped, check_counts
 
@@ -54,6 +55,7 @@ class _GroupedLinear(torch.autograd.Function):
         return out
 
     @staticmethod
+    @_autograd.once_differentiable("grouped_linear")
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         counts, offs, transposed, grouped = ctx.counts, ctx.offs, ctx.transposed, ctx.grouped

@@ -195,6 +195,7 @@ def nsa_selected_attention(
         query, key, value, topk_indices, scale_value, head_num, selected_block_size, selected_block_count,
         atten_mask, actual_seq_qlen, actual_seq_kvlen, sparse_mode, "TND", validate,
     )
+    _autograd.check_no_forward_ad("nsa_selected_attention", query, key, value)
     name, auto = _backend.resolve(FAMILY, backend, device, query.dtype)
     out, m, l = _fwd_op(query, key, value, topk_indices, scale, bs, cu_q, cu_kv, causal, name, auto)
     shape = (*m.shape, STAT_LANES)
@@ -250,6 +251,7 @@ def nsa_selected_attention_grad(
         atten_mask, actual_seq_qlen, actual_seq_kvlen, sparse_mode, input_layout, validate,
         attention_out, attention_out_grad, softmax_max, softmax_sum, grad=True,
     )
+    _autograd.check_no_forward_ad("nsa_selected_attention_grad", query, key, value, attention_out, attention_out_grad)
     resolve_deterministic(deterministic)  # its type, now; None is resolved when the op runs
     name, auto = _backend.resolve(FAMILY, backend, device, query.dtype)
     return _bwd_op(

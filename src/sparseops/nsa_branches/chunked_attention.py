@@ -17,6 +17,7 @@ import dataclasses
 
 import torch
 
+from .. import _autograd
 from .. import _cpu_attention as cpu_attention
 from .._numerics import exp_floor, row_dot, without_autocast
 from .._settings import Settings
@@ -297,6 +298,7 @@ def _backward(ctx, do, dlse):
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
+_autograd.register(_bwd_op, "the backward of sliding_window_attention / compressed_attention")
 
 
 def chunked_attention(q, k, v, cu: list[int], cu_k: list[int], l: int, d: int, window: int, scale: float):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import _checks
+from .._autograd import check_no_forward_ad
 from . import chunked_attention as _ca
 from .checks import (
     DTYPES,
@@ -77,4 +78,5 @@ def compressed_attention(
         ``(o [T, N1, Dv]`` in q's dtype, ``lse [T, N1]`` fp32, float64 for float64 inputs; not differentiable).
     """
     cu, cu_cmp, l, d, scale = check_cmp_args(q, k_cmp, v_cmp, cu_seqlens, cu_seqlens_cmp, block_size, stride, scale)
+    check_no_forward_ad("compressed_attention", q, k_cmp, v_cmp)
     return _ca.chunked_attention(q, k_cmp, v_cmp, cu, cu_cmp, l, d, 0, scale)

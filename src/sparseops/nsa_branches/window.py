@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import _checks
+from .._autograd import check_no_forward_ad
 from . import chunked_attention as _ca
 from .checks import DTYPES, check_head_dims, check_heads, check_same_dtype, check_scale, cu_seqlens_list
 
@@ -50,4 +51,5 @@ def sliding_window_attention(
     w = _checks.check_int("window", window, lo=1)
     scale = check_scale(scale, Dqk)
     cu = cu_seqlens_list("cu_seqlens", cu_seqlens, T)
+    check_no_forward_ad("sliding_window_attention", q, k, v)
     return _ca.chunked_attention(q, k, v, cu, cu, 1, 1, w, scale)[0]
