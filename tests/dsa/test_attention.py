@@ -102,3 +102,11 @@ def test_second_derivative_is_an_error_not_a_silent_zero(target):
     with pytest.raises(RuntimeError, match="not differentiable"):
         (dq.pow(2).sum() + q.sum()).backward()
 
+
+@pytest.mark.parametrize("name", ["k", "v", "indices"])
+def test_rows_are_checked_under_this_functions_names(name):
+    q, k, v, idx = _case(10, 4, 1, 3, torch.float64)
+    a = {"q": q, "k": k, "v": v, "indices": idx}
+    a[name] = a[name][:7]
+    with pytest.raises(ValueError, match=f"^{name}: expected 10 rows .*got shape \\[7"):
+        sparse_attention(**a, scale=0.5)

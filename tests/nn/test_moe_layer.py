@@ -182,6 +182,8 @@ def test_update_expert_bias_one_process():
     assert update_expert_bias(torch.nn.Linear(2, 2)) == 0
     with pytest.raises(ValueError, match="rate"):
         update_expert_bias(layer, rate=-1.0)
+    with pytest.raises(TypeError, match="model: expected a torch.nn.Module, got list"):
+        update_expert_bias([layer])
 
 
 @pytest.mark.parametrize("kw, err, match", [

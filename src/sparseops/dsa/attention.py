@@ -63,6 +63,10 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
     indices = _checks.check_tensor("indices", indices, ndim=2, dtypes=_checks.INDEX_DTYPES)
     return_target = _checks.check_bool("return_target", return_target)
     T, topk = indices.shape
+    # the rows first, under this function's names (the op's checks below would name its lengths)
+    for name, t in (("k", k), ("v", _checks.check_tensor("v", v, ndim=3)), ("indices", indices)):
+        if t.shape[0] != q.shape[0]:
+            raise ValueError(f"{name}: expected {q.shape[0]} rows (the tokens of q), got shape {_checks.fmt_shape(t.shape)}")
     cu = cu_seqlens_list(cu_seqlens, q.shape[0])
     blocks = indices[:, None, :].expand(T, k.shape[1], topk)
     # the op's own checks (shapes, dtypes, positions in each sequence), under its argument names

@@ -28,6 +28,8 @@ def update_expert_bias(model: nn.Module, rate: float = 1e-3, group: dist.Process
     Returns:
         The number of routers updated.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     rate = check_float("rate", rate)
     if not rate >= 0:
         raise ValueError(f"rate: expected a number >= 0, got {rate!r}")
