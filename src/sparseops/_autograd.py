@@ -9,9 +9,9 @@ backpropagates through the op; eager calls fail only when a backward reaches it.
 device sync on GPU), only on this path.
 
 The ``torch.autograd.Function`` s whose backward runs outside autograd (C++ kernels, products written into buffers)
-decorate it with :func:`once_differentiable`. Forward-mode AD (``torch.autograd.forward_ad``, ``torch.func.jvp`` / ``jacfwd`` / ``hessian``): torch runs a custom op
-whose inputs do not require grad without their tangents, a zero derivative without a word. The public ops call
-:func:`check_no_forward_ad` first, which raises instead.
+decorate it with :func:`once_differentiable`. Forward-mode AD (``torch.autograd.forward_ad``, ``torch.func.jvp`` /
+``jacfwd``): torch runs a custom op whose inputs do not require grad without their tangents, a zero derivative
+without a word. The public ops call :func:`check_no_forward_ad` first, which raises instead.
 """
 
 from __future__ import annotations
@@ -106,5 +106,5 @@ def check_no_forward_ad(name: str, *tensors) -> None:
     if any(_has_tangent(t) for t in tensors if isinstance(t, torch.Tensor)):
         raise NotImplementedError(
             f"{name}: forward-mode AD (torch.autograd.forward_ad, torch.func.jvp / jacfwd) is not supported, got "
-            "an input with a tangent; use reverse mode (backward, torch.func.vjp / jacrev)"
+            "an input with a tangent; use reverse mode (Tensor.backward, torch.autograd.grad)"
         )
