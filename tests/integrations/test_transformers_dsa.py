@@ -5,6 +5,8 @@ indexers, the same selection as transformers' indexer); bad calls."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -116,6 +118,52 @@ def test_indexer_training_losses_train_only_the_indexers(family):
     grads = {n for n, p in m.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
     assert grads and all(".indexer." in n for n in grads)
     assert out.loss.requires_grad  # the LM loss is untouched
+
+
+def test_indexer_training_under_activation_checkpointing():
+    """transformers' activation checkpointing, reentrant or not, with the backward inside the context: the same
+    losses and every gradient as without it (the losses are computed after the checkpointed layers, whose
+    recomputation in the backward adds none; inside them a reentrant checkpoint's no_grad forward left the
+    indexers without gradients, a non-reentrant one saw fewer tensors saved in the recomputation)."""
+    m = _model("glm_moe_dsa").train()
+    m.set_attn_implementation("sparseops")
+    ids = torch.randint(0, 40, (2, 9), generator=torch.Generator().manual_seed(11))
+    runs = []
+    for kwargs in (None, {"use_reentrant": False}, {"use_reentrant": True}):
+        mm = copy.deepcopy(m)
+        if kwargs is not None:
+            mm.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        with tdsa.indexer_training(mm) as losses:
+            out = mm(ids, labels=ids)
+            (out.loss + sum(losses)).backward()
+        runs.append(([x.detach() for x in losses], {n: p.grad for n, p in mm.named_parameters() if p.grad is not None}))
+    (ref_losses, ref_grads), *checkpointed = runs
+    assert len(ref_losses) == 2 and any(".indexer." in n for n in ref_grads)
+    for losses, grads in checkpointed:
+        assert len(losses) == len(ref_losses)
+        for a, b in zip(losses, ref_losses):
+            assert_close(a, b, name="indexer loss")
+        assert grads.keys() == ref_grads.keys()
+        for n, g in ref_grads.items():
+            assert_close(grads[n], g, name=f"d{n}")
+
+
+def test_indexer_training_refuses_a_padded_batch():
+    """Its losses treat every token as real: a padded batch is a ValueError naming attention_mask, not a loss over
+    the pads; an all-ones mask is the unpadded batch."""
+    m = _model("deepseek_v32")
+    m.set_attn_implementation("sparseops")
+    ids = torch.randint(0, 40, (2, 9), generator=torch.Generator().manual_seed(12))
+    mask = torch.ones_like(ids)
+    for dense in (False, True):
+        with tdsa.indexer_training(m, dense=dense) as losses:
+            m(ids, attention_mask=mask)
+        assert len(losses) == 2
+    mask[1, :3] = 0
+    for dense in (False, True):
+        with pytest.raises(ValueError, match="attention_mask: indexer_training expects unpadded batches"):
+            with tdsa.indexer_training(m, dense=dense):
+                m(ids, attention_mask=mask)
 
 
 @pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])

@@ -88,7 +88,7 @@ def dsa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
         out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                      **kwargs)[0]
         if _TRAINING:
-            _TRAINING[-1]._layer_loss(module, _packed(query), _packed(key), scale, B, S, T)
+            _TRAINING[-1]._record(module, _packed(query), _packed(key), scale, B, S, T, attention_mask)
         return out, None
     if K > MAX_TOPK:
         raise ValueError(f"indices: expected at most {MAX_TOPK} keys per query (the op's selected_block_count limit; "
@@ -101,7 +101,7 @@ def dsa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
         q, k, v, topk, scale, N1, 1, K, actual_seq_qlen=[S * (b + 1) for b in range(B)],
         actual_seq_kvlen=[T * (b + 1) for b in range(B)], sparse_mode=0, validate=False)[0]
     if _TRAINING:
-        _TRAINING[-1]._layer_loss(module, q, k, scale, B, S, T)
+        _TRAINING[-1]._record(module, q, k, scale, B, S, T, attention_mask)
     return out.view(B, S, N1, Dv), None
 
 
@@ -136,6 +136,22 @@ def indexer_inputs(attn: torch.nn.Module, hidden_states: torch.Tensor, position_
     return q.reshape(B * S, H, D), k.reshape(B * S, D), w.reshape(B * S, H).to(q.dtype)
 
 
+def _in_backward() -> bool:
+    """Whether autograd is running a backward: a checkpointed layer's recomputation (``torch.utils.checkpoint``,
+    ``gradient_checkpointing_enable``) runs the layer's forward again there."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _causal_only(attention_mask: torch.Tensor | None, S: int, T: int) -> bool:
+    """Whether the mask hides exactly the future keys (no padding, no packed documents)."""
+    if attention_mask is None:
+        return True
+    m = attention_mask[:, 0]
+    visible = m if m.dtype == torch.bool else m == 0
+    causal = torch.ones(S, T, dtype=torch.bool, device=m.device).tril(T - S)
+    return bool((visible == causal).all())
+
+
 class indexer_training(contextlib.AbstractContextManager):  # noqa: N801  (used as a function-like context)
     """Collects the indexer loss of every DSA layer of ``model`` during the forwards run inside it.
 
@@ -146,7 +162,12 @@ class indexer_training(contextlib.AbstractContextManager):  # noqa: N801  (used 
     ``dense=True`` (the dense warm-up) each loss is :func:`sparseops.dsa.indexer_dense_kl_loss` instead, over every
     visible key without listing them, whatever ``index_topk``. The indexer's input is detached: the losses train
     the indexers only. The model must run ``attn_implementation="sparseops"`` on unpadded batches
-    (``attention_mask`` None or all ones), without a cache.
+    (``attention_mask`` None or all ones; a padded or packed mask is a ``ValueError``), without a cache.
+
+    The layers record their inputs during the forward; the losses are computed when ``model``'s forward returns
+    (and at the context's exit), outside the layers: so under gradient checkpointing (reentrant or not) the
+    checkpointed layers save what they save without it, and the losses get their gradients. The layers' forwards
+    that a checkpoint reruns in the backward add nothing.
     """
 
     def __init__(self, model: torch.nn.Module, *, dense: bool = False):
@@ -156,12 +177,14 @@ class indexer_training(contextlib.AbstractContextManager):  # noqa: N801  (used 
         self.dense = dense
         self.losses: list[torch.Tensor] = []
         self._inputs: dict[int, tuple] = {}
+        self._pending: list[tuple] = []
         self._hooks = []
 
     def __enter__(self) -> list[torch.Tensor]:
         for mod in self.model.modules():
             if isinstance(getattr(mod, "indexer", None), torch.nn.Module):
                 self._hooks.append(mod.register_forward_pre_hook(self._capture, with_kwargs=True))
+        self._hooks.append(self.model.register_forward_hook(lambda *_: self._flush()))
         _TRAINING.append(self)
         return self.losses
 
@@ -170,28 +193,43 @@ class indexer_training(contextlib.AbstractContextManager):  # noqa: N801  (used 
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        self._inputs.clear()
+        try:
+            if exc[0] is None:
+                self._flush()
+        finally:
+            self._inputs.clear()
+            self._pending.clear()
 
     def _capture(self, mod, args, kwargs):
+        if _in_backward():
+            return
         hs = args[0] if args else kwargs["hidden_states"]
         pe = args[1] if len(args) > 1 else kwargs["position_embeddings"]
         self._inputs[id(mod)] = (hs, pe)
 
-    def _layer_loss(self, mod, q, k, scale, B, S, T) -> None:
-        if id(mod) not in self._inputs:
-            return  # a layer that reuses another layer's selection (glm_moe_dsa's "shared" layers)
+    def _record(self, mod, q, k, scale, B, S, T, attention_mask) -> None:
+        if _in_backward() or id(mod) not in self._inputs:
+            return  # a checkpoint's recomputation, or a layer that reuses another's selection (glm_moe_dsa "shared")
         if S != T:
             raise ValueError(f"indexer_training: expected no cache (as many keys as queries), got S={S}, T={T}")
+        if not _causal_only(attention_mask, S, T):
+            raise ValueError("attention_mask: indexer_training expects unpadded batches (attention_mask None or all "
+                             "ones: a causal mask), got a mask that hides past keys (padding or packed sequences)")
         hs, pe = self._inputs.pop(id(mod))
-        q_idx, k_idx, w = indexer_inputs(mod, hs, pe)
-        cu = [S * b for b in range(B + 1)]
-        if self.dense:
-            self.losses.append(indexer_dense_kl_loss(q.detach(), k.detach(), q_idx, k_idx, w, scale=scale,
-                                                     head_num=q.shape[1], cu_seqlens=cu))
-            return
-        idx, scores = indexer_topk(q_idx, k_idx, w, mod.indexer.index_topk, cu_seqlens=cu, causal=True)
-        self.losses.append(indexer_kl_loss(q.detach(), k.detach(), idx, scores, scale=scale, head_num=q.shape[1],
-                                           cu_seqlens=cu))
+        self._pending.append((mod, q.detach(), k.detach(), scale, B, S, hs, pe))
+
+    def _flush(self) -> None:
+        """The losses of the layers recorded since the last flush, in layer order."""
+        pending, self._pending = self._pending, []
+        for mod, q, k, scale, B, S, hs, pe in pending:
+            q_idx, k_idx, w = indexer_inputs(mod, hs, pe)
+            cu = [S * b for b in range(B + 1)]
+            if self.dense:
+                self.losses.append(indexer_dense_kl_loss(q, k, q_idx, k_idx, w, scale=scale, head_num=q.shape[1],
+                                                         cu_seqlens=cu))
+                continue
+            idx, scores = indexer_topk(q_idx, k_idx, w, mod.indexer.index_topk, cu_seqlens=cu, causal=True)
+            self.losses.append(indexer_kl_loss(q, k, idx, scores, scale=scale, head_num=q.shape[1], cu_seqlens=cu))
 
 
 def register() -> None:
