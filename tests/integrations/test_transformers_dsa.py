@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers", reason="the transformers inte
 tdsa = pytest.importorskip("sparseops.integrations.transformers_dsa")
 
 from sparseops.dsa import index_scores  # noqa: E402
-from sparseops.testing import assert_close  # noqa: E402
+from sparseops.testing import TOLERANCES, assert_close, rel_rms_error  # noqa: E402
 
 _COMMON = dict(vocab_size=40, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, n_shared_experts=1,
                n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=24,
@@ -55,6 +55,26 @@ def test_logits_and_every_gradient_match(family):
         assert grads.keys() == ours[1].keys()
         for n, g in grads.items():
             assert_close(ours[1][n], g, dtype, name=f"d{n} vs {impl}")
+
+
+def test_under_autocast_as_close_to_float64_as_sdpa():
+    """An fp32 model under ``torch.autocast(bf16)``: the model's RoPE leaves the query in fp32 and the keys in bf16;
+    the attention takes the three in autocast's dtype, as sdpa does (the op refused the mixed dtypes), and the
+    logits and every gradient are as close to the float64 model's as sdpa's under the same autocast."""
+    m = _model("deepseek_v32")
+    ids = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(13))
+    ref_logits, ref_grads = _run(m, "sdpa", ids)
+    m = m.float()
+    runs = {}
+    for impl in ("sdpa", "sparseops"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            runs[impl] = _run(m, impl, ids)
+    (s_logits, s_grads), (logits, grads) = runs["sdpa"], runs["sparseops"]
+    assert grads.keys() == ref_grads.keys()
+    for name, got, ref, theirs in [("logits", logits, ref_logits, s_logits)] + [
+            (n, grads[n], r, s_grads[n]) for n, r in ref_grads.items()]:
+        err, floor = rel_rms_error(got, ref), rel_rms_error(theirs, ref)
+        assert err <= max(TOLERANCES[torch.bfloat16], 2 * floor), (name, err, floor)
 
 
 def test_sparse_selection_is_exercised():

@@ -23,6 +23,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .._numerics import autocast_cast
 from ..dsa import indexer_dense_kl_loss, indexer_kl_loss, indexer_topk
 from ..nsa.api import nsa_selected_attention
 from ..nsa.checks import max_block_count
@@ -77,6 +78,8 @@ def dsa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
                          "(deepseek_v32, glm_moe_dsa), which pass the indexer's top-k indices; got None")
     if dropout:
         raise ValueError(f"dropout: expected 0 (attention dropout is not supported), got {dropout}")
+    # under torch.autocast the three as sdpa gets them (its dtype: the model's RoPE can leave query in fp32)
+    query, key, value = autocast_cast(query, query, key, value)
     B, N1, S, D = query.shape
     N2, T, Dv = key.shape[1], key.shape[2], value.shape[-1]
     if indices.dim() != 3 or indices.shape[:2] != (B, S):
