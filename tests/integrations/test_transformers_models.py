@@ -5,7 +5,7 @@ picked up without a list here), each as a 2-layer model built from its own confi
 (``transformers_cases.tiny_family_model``; text-only inputs for multimodal families), every parameter random.
 The five families of test_transformers_experts.py are tested there. Against the stock ``eager`` experts in float64:
 the logits and the gradient of every parameter after a backward of a scalar loss, sparseops in float64 and fp32.
-Then greedy ``generate`` and ``from_pretrained(..., experts_implementation="sparseops")`` on a few families.
+Then greedy ``generate`` on a left-padded batch (eager's tokens and logits) and ``from_pretrained(..., experts_implementation="sparseops")`` on a few families.
 """
 
 from __future__ import annotations
@@ -92,14 +92,19 @@ def test_generate_and_from_pretrained_with_sparseops(family, tmp_path):
     model = tiny_family_model(family).to(torch.float32)
     ids = _ids((2, 5))
     out = {}
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # a left-padded row
     for impl in ("eager", "sparseops"):
         model.set_experts_implementation(impl)
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
-            out[impl] = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
-                                       do_sample=False, pad_token_id=0)
-    assert out["sparseops"].shape == (2, 9)
-    assert torch.equal(out["sparseops"], out["eager"])
+            out[impl] = model.generate(input_ids=ids.masked_fill(mask == 0, 0), attention_mask=mask, max_new_tokens=4,
+                                       do_sample=False, pad_token_id=0, output_logits=True,
+                                       return_dict_in_generate=True)
+    assert out["sparseops"].sequences.shape == (2, 9)
+    assert torch.equal(out["sparseops"].sequences, out["eager"].sequences)
+    for step, (got, ref) in enumerate(zip(out["sparseops"].logits, out["eager"].logits)):
+        assert_close(got, ref, torch.float32, f"{family} generate logits, step {step}")
     model.set_experts_implementation("eager")
     model.save_pretrained(tmp_path)
     back = type(model).from_pretrained(tmp_path, experts_implementation="sparseops").eval()
