@@ -103,14 +103,18 @@ def test_left_padding_rows_match():
 
 
 def test_generate_with_a_cache_matches_sdpa():
+    """A batch with a left-padded row; a 4-token prompt (index_topk 5: the prefill lists every key, dense) and the
+    decode steps past it (sparse)."""
     m = _model("deepseek_v32")
-    ids = torch.randint(0, 40, (1, 9), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(1, 40, (2, 4), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
     outs = {}
     for impl in ("sparseops", "sdpa"):
         m.set_attn_implementation(impl)
         with torch.no_grad():
-            outs[impl] = m.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True,
-                                    return_dict_in_generate=True)
+            outs[impl] = m.generate(ids.masked_fill(mask == 0, 0), attention_mask=mask, max_new_tokens=5,
+                                    do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     assert torch.equal(outs["sparseops"].sequences, outs["sdpa"].sequences)
     for a, b in zip(outs["sparseops"].logits, outs["sdpa"].logits):
         assert_close(a, b, torch.float64)
