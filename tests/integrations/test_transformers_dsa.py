@@ -120,6 +120,31 @@ def test_generate_with_a_cache_matches_sdpa():
         assert_close(a, b, torch.float64)
 
 
+#: the other families whose attention passes its indexer's ``indices`` as deepseek_v32 does (hy_v4 does too, with
+#: attention sinks: refused, test_bad_calls)
+OTHER_DSA_FAMILIES = ["axk2", "dots3_note", "mistral_large4"]
+
+
+@pytest.mark.parametrize("family", OTHER_DSA_FAMILIES)
+def test_other_dsa_families_match_sdpa(family):
+    from .transformers_cases import tiny_family_model
+
+    m = tiny_family_model(family)
+    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(14))
+    runs = {}
+    for impl in ("sdpa", "sparseops"):
+        m.set_attn_implementation(impl)
+        m.zero_grad(set_to_none=True)
+        logits = m(input_ids=ids).logits
+        logits.pow(2).mean().backward()
+        runs[impl] = logits.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+    (logits, grads), (ref_logits, ref_grads) = runs["sparseops"], runs["sdpa"]
+    assert_close(logits, ref_logits, name=f"{family} logits")
+    assert grads.keys() == ref_grads.keys()
+    for n, g in ref_grads.items():
+        assert_close(grads[n], g, name=f"{family} d{n}")
+
+
 def test_registered_in_both_registries():
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
@@ -227,6 +252,13 @@ def test_bad_calls():
         tdsa.dsa_attention(None, q, k, k, None, dropout=0.1, indices=idx)
     with pytest.raises(ValueError, match="indices"):
         tdsa.dsa_attention(None, q, k, k, None, indices=idx[:, :3])
+    # arguments that change the math (HY-V4 passes its attention sinks as s_aux): refused, never ignored
+    for name, arg in (("s_aux", torch.zeros(2)), ("sliding_window", 3), ("softcap", 30.0), ("is_causal", False)):
+        with pytest.raises(ValueError, match=f"{name}: attn_implementation='sparseops' computes causal softmax"):
+            tdsa.dsa_attention(None, q, k, k, None, indices=idx, **{name: arg})
+    out, _ = tdsa.dsa_attention(None, q, k, k, None, indices=idx, s_aux=None, sliding_window=None, use_cache=True,
+                                position_ids=torch.arange(4)[None], is_causal=True)
+    assert out.shape == (1, 4, 2, 8)
     wide = torch.zeros(1, 4, tdsa.MAX_TOPK + 1, dtype=torch.int32)  # an index_topk past the limit, short of T
     long_k = torch.randn(1, 2, tdsa.MAX_TOPK + 2, 8)
     with pytest.raises(ValueError, match=r"indices: expected at most 2048 keys per query .*index_topk.*got 2049"):

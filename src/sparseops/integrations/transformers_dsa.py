@@ -3,9 +3,10 @@
 Importing this module registers, through transformers' public registries:
 
 - ``AttentionInterface["sparseops"]`` = :func:`dsa_attention`: the attention of ``deepseek_v32`` and
-  ``glm_moe_dsa`` over the indexer's ``indices`` with :func:`sparseops.nsa_selected_attention` at token
-  granularity, in ``O(T * topk)`` (eager folds the top-k into a dense ``[T, T]`` mask); when the indices list
-  every key (the dense warm-up), transformers' own ``sdpa`` attention;
+  ``glm_moe_dsa`` (and of ``axk2``, ``dots3_note``, ``mistral_large4``) over the indexer's ``indices`` with
+  :func:`sparseops.nsa_selected_attention` at token granularity, in ``O(T * topk)`` (eager folds the top-k into a
+  dense ``[T, T]`` mask); when the indices list every key (the dense warm-up), transformers' own ``sdpa``
+  attention; an argument that changes the attention's math (``hy_v4``'s sinks ``s_aux`` ...) is refused;
 - ``AttentionMaskInterface["sparseops"]`` = transformers' boolean ``sdpa_mask``, which the models' indexer reads.
 
 :class:`indexer_training` trains the indexers, which transformers runs under ``no_grad``, with
@@ -37,6 +38,10 @@ MAX_TOPK = max_block_count(1)
 #: each supported indexer's RoPE, a function of its modeling module: DeepSeek-V3.2 rotates half-split pairs,
 #: GLM-MoE-DSA interleaved pairs
 _INDEXER_ROPE = {"DeepseekV32Indexer": "apply_rotary_pos_emb", "GlmMoeDsaIndexer": "apply_rotary_pos_emb_interleave"}
+
+#: keyword arguments of the attention call that do not change its math (any other one that is not None is refused:
+#: HY-V4's sinks ``s_aux``, a ``sliding_window``, a ``softcap``, packed-sequence lengths ...)
+_BOOKKEEPING = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions", "past_key_values"})
 
 #: the active :class:`indexer_training` contexts (innermost last)
 _TRAINING: list[indexer_training] = []
@@ -75,9 +80,15 @@ def dsa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
     """
     if indices is None:
         raise ValueError("indices: attn_implementation='sparseops' runs DeepSeek Sparse Attention layers "
-                         "(deepseek_v32, glm_moe_dsa), which pass the indexer's top-k indices; got None")
+                         "(deepseek_v32, glm_moe_dsa, axk2, dots3_note, mistral_large4), which pass the indexer's "
+                         "top-k indices; got None")
     if dropout:
         raise ValueError(f"dropout: expected 0 (attention dropout is not supported), got {dropout}")
+    for name, arg in kwargs.items():
+        if arg is not None and name not in _BOOKKEEPING and not (name == "is_causal" and arg is True):
+            raise ValueError(f"{name}: attn_implementation='sparseops' computes causal softmax attention over the "
+                             f"indexer's keys, without {name} (attention sinks, a sliding window, a softcap ...), "
+                             f"got {type(arg).__name__}{'' if isinstance(arg, torch.Tensor) else f' {arg!r}'}")
     # under torch.autocast the three as sdpa gets them (its dtype: the model's RoPE can leave query in fp32)
     query, key, value = autocast_cast(query, query, key, value)
     B, N1, S, D = query.shape
