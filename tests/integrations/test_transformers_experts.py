@@ -90,6 +90,20 @@ def test_model_logits_and_every_gradient_match_eager(family):
             assert_close(grads[name], ref, dtype, f"{family} {dtype} grad {name}")
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_gives_eager_gradients(reentrant):
+    """transformers' activation checkpointing (each decoder layer's forward run again in the backward): the
+    sparseops experts' loss and every gradient equal eager's without checkpointing, in float64."""
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4))
+    model = tiny_model("qwen3_moe").train()
+    ref_logits, ref_grads = run_model(copy.deepcopy(model), "eager", ids)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    logits, grads = run_model(model, "sparseops", ids)
+    assert_close(logits, ref_logits, torch.float64, "logits")
+    for name, ref in ref_grads.items():
+        assert_close(grads[name], ref, torch.float64, f"grad {name}")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_16_bit_experts_match_the_float64_eager_oracle(family, dtype):
