@@ -197,9 +197,9 @@ def test_indexer_training_under_activation_checkpointing():
             assert_close(grads[n], g, name=f"d{n}")
 
 
-def test_indexer_training_refuses_a_padded_batch():
+def test_indexer_training_refuses_a_padded_batch_and_another_attention():
     """Its losses treat every token as real: a padded batch is a ValueError naming attention_mask, not a loss over
-    the pads; an all-ones mask is the unpadded batch."""
+    the pads; an all-ones mask is the unpadded batch. A model on another attention is a ValueError too."""
     m = _model("deepseek_v32")
     m.set_attn_implementation("sparseops")
     ids = torch.randint(0, 40, (2, 9), generator=torch.Generator().manual_seed(12))
@@ -213,6 +213,11 @@ def test_indexer_training_refuses_a_padded_batch():
         with pytest.raises(ValueError, match="attention_mask: indexer_training expects unpadded batches"):
             with tdsa.indexer_training(m, dense=dense):
                 m(ids, attention_mask=mask)
+    m.set_attn_implementation("sdpa")  # its attention records nothing: an error, not an empty list of losses
+    with pytest.raises(ValueError, match=r"attn_implementation: indexer_training needs attn_implementation='sparseops'"
+                                         r" .*got 2 layer\(s\) with an indexer run with \['sdpa'\]"):
+        with tdsa.indexer_training(m):
+            m(ids)
 
 
 @pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])

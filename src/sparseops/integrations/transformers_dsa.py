@@ -234,6 +234,13 @@ class indexer_training(contextlib.AbstractContextManager):  # noqa: N801  (used 
 
     def _flush(self) -> None:
         """The losses of the layers recorded since the last flush, in layer order."""
+        if self._inputs:  # layers with an indexer whose attention was not ours: no loss would come from them
+            impls = sorted({str(getattr(getattr(mod, "config", None), "_attn_implementation", None))
+                            for mod in self.model.modules() if id(mod) in self._inputs})
+            n = len(self._inputs)
+            self._inputs.clear()
+            raise ValueError(f"attn_implementation: indexer_training needs attn_implementation={NAME!r} (its "
+                             f"attention records the losses), got {n} layer(s) with an indexer run with {impls}")
         pending, self._pending = self._pending, []
         for mod, q, k, scale, B, S, hs, pe in pending:
             q_idx, k_idx, w = indexer_inputs(mod, hs, pe)
