@@ -262,7 +262,8 @@ def test_bad_calls():
         with pytest.raises(ValueError, match=f"{name}: attn_implementation='sparseops' computes causal softmax"):
             tdsa.dsa_attention(None, q, k, k, None, indices=idx, **{name: arg})
     out, _ = tdsa.dsa_attention(None, q, k, k, None, indices=idx, s_aux=None, sliding_window=None, use_cache=True,
-                                position_ids=torch.arange(4)[None], is_causal=True)
+                                position_ids=torch.arange(4)[None], is_causal=True,
+                                num_items_in_batch=torch.tensor(8), output_hidden_states=True)  # the Trainer's
     assert out.shape == (1, 4, 2, 8)
     wide = torch.zeros(1, 4, tdsa.MAX_TOPK + 1, dtype=torch.int32)  # an index_topk past the limit, short of T
     long_k = torch.randn(1, 2, tdsa.MAX_TOPK + 2, 8)

@@ -39,9 +39,10 @@ MAX_TOPK = max_block_count(1)
 #: GLM-MoE-DSA interleaved pairs
 _INDEXER_ROPE = {"DeepseekV32Indexer": "apply_rotary_pos_emb", "GlmMoeDsaIndexer": "apply_rotary_pos_emb_interleave"}
 
-#: keyword arguments of the attention call that do not change its math (any other one that is not None is refused:
-#: HY-V4's sinks ``s_aux``, a ``sliding_window``, a ``softcap``, packed-sequence lengths ...)
-_BOOKKEEPING = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions", "past_key_values"})
+#: keyword arguments of transformers' attention functions that change the math, refused unless None (HY-V4 passes
+#: its attention sinks as ``s_aux``); the rest (``position_ids``, ``use_cache``, the Trainer's
+#: ``num_items_in_batch`` ...) are the model's bookkeeping, which sdpa ignores too
+_CHANGES_THE_MATH = frozenset({"s_aux", "sinks", "sliding_window", "softcap"})
 
 #: the active :class:`indexer_training` contexts (innermost last)
 _TRAINING: list[indexer_training] = []
@@ -85,7 +86,7 @@ def dsa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
     if dropout:
         raise ValueError(f"dropout: expected 0 (attention dropout is not supported), got {dropout}")
     for name, arg in kwargs.items():
-        if arg is not None and name not in _BOOKKEEPING and not (name == "is_causal" and arg is True):
+        if (name in _CHANGES_THE_MATH and arg is not None) or (name == "is_causal" and arg is False):
             raise ValueError(f"{name}: attn_implementation='sparseops' computes causal softmax attention over the "
                              f"indexer's keys, without {name} (attention sinks, a sliding window, a softcap ...), "
                              f"got {type(arg).__name__}{'' if isinstance(arg, torch.Tensor) else f' {arg!r}'}")
