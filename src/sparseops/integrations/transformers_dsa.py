@@ -179,10 +179,10 @@ class indexer_training(contextlib.AbstractContextManager):  # noqa: N801  (used 
     the indexers only. The model must run ``attn_implementation="sparseops"`` on unpadded batches
     (``attention_mask`` None or all ones; a padded or packed mask is a ``ValueError``), without a cache.
 
-    The layers record their inputs during the forward; the losses are computed when ``model``'s forward returns
-    (and at the context's exit), outside the layers: so under gradient checkpointing (reentrant or not) the
-    checkpointed layers save what they save without it, and the losses get their gradients. The layers' forwards
-    that a checkpoint reruns in the backward add nothing.
+    Each layer's loss is computed in its attention call (FSDP2 holds the layer's parameters unsharded there), its
+    saved tensors out of a non-reentrant activation checkpoint's count; in a reentrant checkpoint's ``no_grad``
+    forward it is computed when ``model``'s forward returns (or at the context's exit), so that it has gradients.
+    The layers' forwards that a checkpoint reruns in the backward add nothing.
     """
 
     def __init__(self, model: torch.nn.Module, *, dense: bool = False):
@@ -231,10 +231,24 @@ class indexer_training(contextlib.AbstractContextManager):  # noqa: N801  (used 
             raise ValueError("attention_mask: indexer_training expects unpadded batches (attention_mask None or all "
                              "ones: a causal mask), got a mask that hides past keys (padding or packed sequences)")
         hs, pe = self._inputs.pop(id(mod))
-        self._pending.append((mod, q.detach(), k.detach(), scale, B, S, hs, pe))
+        if not torch.is_grad_enabled():  # a reentrant checkpoint's no_grad forward: the loss after the model's
+            self._pending.append((mod, q.detach(), k.detach(), scale, B, S, hs, pe))
+            return
+        # here, inside the layer (FSDP2 holds its parameters unsharded); its saved tensors kept as they are, out of
+        # a non-reentrant checkpoint's count (its recomputation computes no loss)
+        with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+            self.losses.append(self._loss(mod, q.detach(), k.detach(), scale, B, S, hs, pe))
+
+    def _loss(self, mod, q, k, scale, B, S, hs, pe) -> torch.Tensor:
+        q_idx, k_idx, w = indexer_inputs(mod, hs, pe)
+        cu = [S * b for b in range(B + 1)]
+        if self.dense:
+            return indexer_dense_kl_loss(q, k, q_idx, k_idx, w, scale=scale, head_num=q.shape[1], cu_seqlens=cu)
+        idx, scores = indexer_topk(q_idx, k_idx, w, mod.indexer.index_topk, cu_seqlens=cu, causal=True)
+        return indexer_kl_loss(q, k, idx, scores, scale=scale, head_num=q.shape[1], cu_seqlens=cu)
 
     def _flush(self) -> None:
-        """The losses of the layers recorded since the last flush, in layer order."""
+        """The losses of the layers recorded without grad since the last flush, in layer order."""
         if self._inputs:  # layers with an indexer whose attention was not ours: no loss would come from them
             impls = sorted({str(getattr(getattr(mod, "config", None), "_attn_implementation", None))
                             for mod in self.model.modules() if id(mod) in self._inputs})
@@ -243,15 +257,16 @@ class indexer_training(contextlib.AbstractContextManager):  # noqa: N801  (used 
             raise ValueError(f"attn_implementation: indexer_training needs attn_implementation={NAME!r} (its "
                              f"attention records the losses), got {n} layer(s) with an indexer run with {impls}")
         pending, self._pending = self._pending, []
-        for mod, q, k, scale, B, S, hs, pe in pending:
-            q_idx, k_idx, w = indexer_inputs(mod, hs, pe)
-            cu = [S * b for b in range(B + 1)]
-            if self.dense:
-                self.losses.append(indexer_dense_kl_loss(q, k, q_idx, k_idx, w, scale=scale, head_num=q.shape[1],
-                                                         cu_seqlens=cu))
-                continue
-            idx, scores = indexer_topk(q_idx, k_idx, w, mod.indexer.index_topk, cu_seqlens=cu, causal=True)
-            self.losses.append(indexer_kl_loss(q, k, idx, scores, scale=scale, head_num=q.shape[1], cu_seqlens=cu))
+        for args in pending:
+            if any(hasattr(p, "to_local") for p in args[0].indexer.parameters()):
+                raise ValueError("indexer_training: a layer ran under no_grad (a reentrant activation checkpoint) with "
+                                 "its indexer's parameters sharded (FSDP2 reshards them after the layer), so its loss "
+                                 "has no parameters to run on: use use_reentrant=False (transformers' default)")
+            self.losses.append(self._loss(*args))
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def register() -> None:
