@@ -28,6 +28,8 @@ def saved(tmp_path_factory):
     (root / "two").mkdir()
     shutil.copytree(root / "ck" / "step_2", root / "two" / "step_2")
     (torch.arange(4 * 81 * 3) % 24).to(torch.uint16).numpy().tofile(root / "t.bin")  # the recall task's vocabulary
+    assert main_one_thread([*ARGV_DATA, "--data", str(root / "t.bin"), "--seq-len", "32", "--steps", "1", "--save",
+                            str(root / "tok")]) == 0
     for name in ("trunc", "empty"):  # damaged copies: a truncated shard, an empty .metadata
         shutil.copytree(root / "ck" / "step_2", root / name / "step_2")
     with open(root / "trunc" / "step_2" / "__0_0.distcp", "r+b") as f:
@@ -58,7 +60,11 @@ def _tree(root: Path) -> list[str]:
      r"data-parallel ranks = 4 / 2 = 2, got 4 \(the checkpoint's was 1\)"),
     (["--resume", "{ck}", "--recall-pairs", "3"], r"--recall-pairs: expected the checkpoint's \d+ with --resume"),
     (["--resume", "{ck}", "--data", "{saved}/t.bin"],
-     "--resume: data: expected a checkpoint of a token file, got one of 'recall'"),
+     "--data: expected no --data with --resume of a checkpoint of the recall task, got '.*t.bin' .checkpoint"),
+    (["--resume", "{ck}", "--data", "{saved}/t.bin", "--seq-len", "32"],  # named before the recorded --seq-len
+     "--data: expected no --data with --resume of a checkpoint of the recall task"),
+    (["--resume", "{saved}/tok"], "--data: expected the token file the checkpoint's run trained on with --resume, "
+                                  "got none .the recall task; checkpoint '.*tok/step_1'"),
     (["--resume", "{ck}", "--lr", "0.5"],
      r"--lr: expected the checkpoint's 0.01 with --resume \(AdamW's settings come back from the checkpoint; leave the "
      r"flag out to keep them\), got 0.5 \(checkpoint '.*step_4'\)"),
@@ -75,7 +81,7 @@ def _tree(root: Path) -> list[str]:
                                     r"checkpoint's .metadata records\), got 1000 bytes: a damaged or partial checkpoint"),
     (["--resume", "{saved}/empty"], r"--resume: expected a readable .metadata in '.*empty/step_2', got one that does "
                                     r"not read \(EOFError: .*\): a damaged checkpoint"),
-], ids=["experts", "top-k", "rope", "rope-off", "seed", "dense-steps", "micro-batches", "recall-task", "data-kind", "lr", "weight-decay", "save-over-later", "resume-save-over-later",
+], ids=["experts", "top-k", "rope", "rope-off", "seed", "dense-steps", "micro-batches", "recall-task", "data-kind", "data-kind-first", "tokens-without-data", "lr", "weight-decay", "save-over-later", "resume-save-over-later",
         "save-a-file", "save-a-file-in-the-way", "json-a-device", "json-a-directory", "steps-before-resumed", "truncated-shard",
         "empty-metadata"])
 def test_resume_and_outputs_checked_before_any_collective(saved, tmp_path, monkeypatch, capsys, extra, match):

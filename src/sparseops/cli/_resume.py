@@ -20,6 +20,8 @@ from pathlib import Path
 
 #: ``train.settings.<flag>``: the entries' prefix in a checkpoint
 PREFIX = "train.settings."
+#: the checkpoint's kind of data: ``"recall"`` or ``"tokens"`` (``training.data``'s ``state_dict``)
+DATA_KIND = "train.data.kind"
 
 
 def recorded_flags(model_fields: tuple[str, ...], recall: dict[str, str]) -> dict[str, str]:
@@ -101,12 +103,26 @@ def take_settings(args: argparse.Namespace, path: str, model_fields: tuple[str, 
     flags = recorded_flags(model_fields, recall)
     if args.data is not None:  # a token file: the recall task's settings are not this run's (its kind is checked)
         flags = {f: d for f, d in flags.items() if not f.startswith("recall-")}
-    saved = {k.removeprefix(PREFIX): v for k, v in read_values(path, [PREFIX + f for f in flags], bad).items()}
+    values = read_values(path, [PREFIX + f for f in flags] + [DATA_KIND], bad)
+    _check_data_kind(values.get(DATA_KIND), args.data, path, bad)
+    saved = {k.removeprefix(PREFIX): v for k, v in values.items() if k.startswith(PREFIX)}
     micro = saved.pop("micro-batches", None)
     if args.micro_batches is None:
         args.micro_batches = micro
     take_saved(args, saved, flags, path, bad, nullable=frozenset({"model_rope_theta"}))
     return micro
+
+
+def _check_data_kind(kind: object, data: str | None, path: str, bad: type[Exception]) -> None:
+    """``--data`` against the checkpoint's kind of data (``train.data.kind``: ``"tokens"`` or ``"recall"``; None:
+    not a ``sparseops train`` checkpoint, refused later): checked before the recorded settings, whose refusals
+    (the recall task's ``--seq-len``, the vocabulary's shape) would name another flag than the one left out."""
+    if kind == "tokens" and data is None:
+        raise bad(f"--data: expected the token file the checkpoint's run trained on with --resume, got none (the "
+                  f"recall task; checkpoint {path!r})")
+    if kind == "recall" and data is not None:
+        raise bad(f"--data: expected no --data with --resume of a checkpoint of the recall task, got {data!r} "
+                  f"(checkpoint {path!r})")
 
 
 def micro_batches_problem(batch: int, ranks: int, micro: int, given: int | None, saved: int | None) -> str:
