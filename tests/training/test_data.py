@@ -85,6 +85,11 @@ def test_token_file_bad_input(tmp_path):
         TokenFile(tmp_path / "odd.bin", "uint32", 1, 1, 0)
     with pytest.raises(ValueError, match="path: expected a token file"):
         TokenFile(tmp_path / "missing.bin", "uint16", 4, 1, 0)
+    (tmp_path / "empty.bin").write_bytes(b"")  # no window of one input and its target, whatever seq_len
+    (tmp_path / "one.bin").write_bytes(b"12")
+    for name, n in (("empty.bin", 0), ("one.bin", 1)):
+        with pytest.raises(ValueError, match=f"path: expected a token file of at least 2 tokens, got {n} in"):
+            TokenFile(tmp_path / name, "uint16", 1, 1, 0)
 
 
 def test_token_file_takes_every_seed_the_cli_accepts(tmp_path):

@@ -140,6 +140,8 @@ class TokenFile(_Source):
         if nbytes % itemsize:
             raise ValueError(f"path: expected a multiple of {itemsize} bytes ({dtype}), got {nbytes} bytes in {path}")
         n = nbytes // itemsize
+        if n < 2:  # no window of one input and its target, whatever seq_len
+            raise ValueError(f"path: expected a token file of at least 2 tokens, got {n} in {path}")
         if n < seq_len + 1:
             raise ValueError(f"seq_len: expected at most {n - 1} (the file holds {n} tokens), got {seq_len}")
         self.path, self.dtype, self.seq_len, self.batch_size, self.seed = path, dtype, seq_len, batch_size, seed
