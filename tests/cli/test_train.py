@@ -295,6 +295,31 @@ def test_bad_flags_exit_2_before_any_collective(tmp_path, monkeypatch, capsys, w
     assert not (tmp_path / "r.json").exists() and not (tmp_path / "ck").exists()
 
 
+def test_a_vocabulary_beyond_memory_is_refused_naming_the_flag(tmp_path, monkeypatch, capsys):
+    """A uint16 token file read as uint32 makes ids in the billions: the embedding the largest id + 1 sets (or a
+    --vocab-size, or model flags) above the memory is exit 2 naming the flag, before any collective, not torch's
+    allocator failing after the process group exists (512 GiB here, float64)."""
+    for k, v in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    ids = torch.arange(4 * 81) % 24
+    ids[7] = 2**32 - 1
+    ids.to(torch.uint32).numpy().tofile(tmp_path / "t.bin")
+    out = ["--comm-timeout", "5", "--dtype", "float64", "--json", str(tmp_path / "r.json"), "--save",
+           str(tmp_path / "ck")]
+    data = [*ARGV_DATA, "--data", str(tmp_path / "t.bin"), "--data-dtype", "uint32"]
+    for argv, match in ((data, r"--data: expected token ids that make a vocabulary the model can hold, got a largest "
+                               r"id of 4294967295 \(--data-dtype uint32\): 512.0 GiB of parameters outside the "
+                               r"experts, above the [\d.]+ GiB of memory"),
+                        ([*data, "--vocab-size", str(2**33)], "--vocab-size: expected a vocabulary the model can hold, "
+                                                              "got 8589934592: 1024.0 GiB"),
+                        ([*ARGV, "--hidden-size", str(2**33)], r"the model \(--hidden-size ... flags\): expected "
+                                                               "parameters that fit in memory")):
+        assert main([*argv, *out]) == 2
+        assert re.search(match, capsys.readouterr().err)
+    assert sorted(tmp_path.iterdir()) == [tmp_path / "t.bin"]
+
+
 # --- torchrun subprocesses ------------------------------------------------------------------------------------
 
 #: seconds any one torchrun job may take (start-up is several seconds per process on 2 busy cores)

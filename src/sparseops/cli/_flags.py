@@ -19,6 +19,19 @@ def seed_problem(seed: int) -> str | None:
     return None
 
 
+def memory_bytes(cuda_device: int | None = None) -> int | None:
+    """The memory a rank allocates its model in: the machine's physical memory, or the CUDA device's (None:
+    unknown)."""
+    try:
+        if cuda_device is not None:
+            import torch
+
+            return int(torch.cuda.get_device_properties(cuda_device).total_memory)
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, RuntimeError, AssertionError):
+        return None
+
+
 def out_dir_problem(flag: str, folder: str | os.PathLike) -> str | None:
     """What keeps ``folder`` from being written or created (its nearest existing ancestor is a file, or not
     writable), or None. Creates nothing (a run that fails another check leaves no folder behind)."""

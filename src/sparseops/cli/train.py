@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from . import _resume
-from ._flags import outputs_problem, seed_problem
+from ._flags import memory_bytes, outputs_problem, seed_problem
 from ._resume import LEFT_OUT
 
 HELP = "train the NSA + MoE LM under torchrun (or in one process): layouts, DCP checkpoints, resume, faults"
@@ -317,6 +317,7 @@ def check_run(spec, data, args: argparse.Namespace):
         if name in _MODEL_INT + _MODEL_FLOAT:  # LMConfig's field: its flag
             raise _Bad(f"--{name.replace('_', '-')}:{rest}") from None
         raise _Bad(f"the model (--hidden-size ... flags): {exc}") from None
+    _check_memory(spec, model, args, data)
     if spec.resume is None:
         return spec
     path = os.fspath(spec.resume)
@@ -338,6 +339,30 @@ def check_run(spec, data, args: argparse.Namespace):
     _resume.take_saved(args, kept, optim, path, _Bad,
                        why="AdamW's settings come back from the checkpoint; leave the flag out to keep them")
     return dataclasses.replace(spec, optim=dataclasses.replace(spec.optim, **{optim[f]: v for f, v in kept.items()}))
+
+
+def _check_memory(spec, model, args: argparse.Namespace, data) -> None:
+    """The parameters every rank allocates whole (all but the routed experts) must fit its memory: a vocabulary
+    of a token file read with the wrong ``--data-dtype`` (uint16 pairs read as uint32 ids) would otherwise fail
+    deep in torch's allocator, after the process group exists."""
+    import torch
+
+    from ..models.lm import expert_parameter
+
+    n = sum(p.numel() for name, p in model.named_parameters() if not expert_parameter(name))
+    nbytes = n * torch.empty((), dtype=spec.dtype).element_size()
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    have = memory_bytes(int(os.environ.get("LOCAL_RANK", 0)) if cuda else None)
+    if have is None or nbytes <= have:
+        return
+    gib = f"{nbytes / 2**30:.1f} GiB of parameters outside the experts, above the {have / 2**30:.1f} GiB of memory"
+    if args.vocab_size is not None:
+        raise _Bad(f"--vocab-size: expected a vocabulary the model can hold, got {args.vocab_size}: {gib}")
+    if args.data is not None:
+        raise _Bad(f"--data: expected token ids that make a vocabulary the model can hold, got a largest id of "
+                   f"{data.vocab_size - 1} (--data-dtype {args.data_dtype}): {gib}; a file written with another "
+                   "--data-dtype?")
+    raise _Bad(f"the model (--hidden-size ... flags): expected parameters that fit in memory, got {gib}")
 
 
 def check_outputs(args: argparse.Namespace, rank: int) -> None:
