@@ -261,6 +261,10 @@ def test_config_argv_spells_out_every_setting():
     (2, ["--replicated-tokens", "--ep", "1"], "--ep: expected the world size 2 .* with --replicated-tokens, got 1"),
     (1, ["--clip", "-1"], "--clip: expected a number > 0 .and finite., got -1.0"),
     (1, ["--weight-decay", "-0.1"], "--weight-decay: expected a number >= 0 .and finite., got -0.1"),
+    (1, ["--lr", "1e300"], r"--lr: expected at most 3.403e\+37 .AdamW's first step size, lr / .1 - 0.9., in the "
+                           r"range of --dtype., got 1e\+300"),
+    (1, ["--weight-decay", "1e300"], r"--weight-decay: expected --lr \* --weight-decay at most 3.403e\+38 .in the range "
+                                     r"of --dtype., got 0.01 \* 1e\+300 = 1e\+298"),
     (4, ["--top-k", "5"], "--top-k: expected at most num_experts = 4, got 5"),
     (1, ["--seed", str(2**64)], "--seed: expected an int in .*, got 18446744073709551616"),
     (1, ["--autocast", "bfloat16", "--dtype", "float64"], "--autocast: expected --dtype float32 with it .*got --dtype float64"),
@@ -276,7 +280,7 @@ def test_config_argv_spells_out_every_setting():
 ], ids=["world-mismatch", "replicate-not-dividing", "ep-not-dividing-shard", "ep-not-dividing-experts",
         "batch-not-dividing", "resume-nothing", "save-every-alone", "no-steps", "timeout-under-a-ms", "timeout-overflowing", "task", "no-file", "data-a-device",
         "recall-flags-with-data", "no-cuda",
-        "replicated-with-dp", "replicated-ep-1", "negative-clip", "negative-decay", "model", "seed-past-torch",
+        "replicated-with-dp", "replicated-ep-1", "negative-clip", "negative-decay", "lr-past-float32", "decay-past-float32", "model", "seed-past-torch",
         "autocast-float64", "dense-steps-nsa", "dense-steps-negative", "dense-steps-no-indexer-loss", "micro-batches-not-dividing", "replicated-micro-batches",
         "no-micro-batches"])
 def test_bad_flags_exit_2_before_any_collective(tmp_path, monkeypatch, capsys, world, extra, match):

@@ -19,6 +19,19 @@ def seed_problem(seed: int) -> str | None:
     return None
 
 
+def adamw_problem(lr: float, weight_decay: float, dtype_max: float, beta1: float = 0.9) -> str | None:
+    """What is wrong with ``--lr`` / ``--weight-decay`` for parameters whose largest value is ``dtype_max``, or
+    None: AdamW converts its first step's size ``lr / (1 - beta1)`` and ``lr * weight_decay`` to the parameters'
+    dtype, and one beyond its range fails inside ``optimizer.step`` after the process group exists."""
+    if lr / (1 - beta1) > dtype_max:
+        return (f"--lr: expected at most {dtype_max * (1 - beta1):.4g} (AdamW's first step size, lr / (1 - {beta1}), "
+                f"in the range of --dtype), got {lr}")
+    if lr * weight_decay > dtype_max:
+        return (f"--weight-decay: expected --lr * --weight-decay at most {dtype_max:.4g} (in the range of --dtype), "
+                f"got {lr} * {weight_decay} = {lr * weight_decay:.4g}")
+    return None
+
+
 def memory_bytes(cuda_device: int | None = None) -> int | None:
     """The memory a rank allocates its model in: the machine's physical memory, or the CUDA device's (None:
     unknown)."""

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from . import _resume
-from ._flags import memory_bytes, outputs_problem, seed_problem
+from ._flags import adamw_problem, memory_bytes, outputs_problem, seed_problem
 from ._resume import LEFT_OUT
 
 HELP = "train the NSA + MoE LM under torchrun (or in one process): layouts, DCP checkpoints, resume, faults"
@@ -225,6 +225,8 @@ def build_spec(args: argparse.Namespace, world: int):
     task, model, optim = demo_setup()
     given = {k: getattr(args, f.replace("-", "_")) for k, f in _OPTIM.items()}
     optim = dataclasses.replace(optim, **{k: v for k, v in given.items() if v is not None})
+    if problem := adamw_problem(optim.lr, optim.weight_decay, torch.finfo(getattr(torch, args.dtype)).max):
+        raise _Bad(problem)
     model = dataclasses.replace(model, **{n: v for n in (*_MODEL_INT, *_MODEL_FLOAT, "attention")
                                           if (v := getattr(args, f"model_{n}")) is not LEFT_OUT
                                           and (v is not None or n == "rope_theta")})
@@ -349,8 +351,7 @@ def _check_memory(spec, model, args: argparse.Namespace, data) -> None:
 
     from ..models.lm import expert_parameter
 
-    n = sum(p.numel() for name, p in model.named_parameters() if not expert_parameter(name))
-    nbytes = n * torch.empty((), dtype=spec.dtype).element_size()
+    nbytes = sum(p.numel() for name, p in model.named_parameters() if not expert_parameter(name)) * spec.dtype.itemsize
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     have = memory_bytes(int(os.environ.get("LOCAL_RANK", 0)) if cuda else None)
     if have is None or nbytes <= have:
