@@ -302,7 +302,8 @@ def test_bad_flags_exit_2_before_any_collective(tmp_path, monkeypatch, capsys, w
 def test_a_vocabulary_beyond_memory_is_refused_naming_the_flag(tmp_path, monkeypatch, capsys):
     """A uint16 token file read as uint32 makes ids in the billions: the embedding the largest id + 1 sets (or a
     --vocab-size, or model flags) above the memory is exit 2 naming the flag, before any collective, not torch's
-    allocator failing after the process group exists (512 GiB here, float64)."""
+    allocator failing after the process group exists (512 GiB here, float64); the routed experts count too (every
+    rank builds the full model before parallelize shards them)."""
     for k, v in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(k, v)
@@ -313,12 +314,15 @@ def test_a_vocabulary_beyond_memory_is_refused_naming_the_flag(tmp_path, monkeyp
            str(tmp_path / "ck")]
     data = [*ARGV_DATA, "--data", str(tmp_path / "t.bin"), "--data-dtype", "uint32"]
     for argv, match in ((data, r"--data: expected token ids that make a vocabulary the model can hold, got a largest "
-                               r"id of 4294967295 \(--data-dtype uint32\): 512.0 GiB of parameters outside the "
-                               r"experts, above the [\d.]+ GiB of memory"),
+                               r"id of 4294967295 \(--data-dtype uint32\): 512.0 GiB of parameters on each "
+                               r"rank, above the [\d.]+ GiB of memory"),
                         ([*data, "--vocab-size", str(2**33)], "--vocab-size: expected a vocabulary the model can hold, "
                                                               "got 8589934592: 1024.0 GiB"),
                         ([*ARGV, "--hidden-size", str(2**33)], r"the model \(--hidden-size ... flags\): expected "
-                                                               "parameters that fit in memory")):
+                                                               "parameters that fit in memory"),
+                        # the experts count (allocated whole, then sharded): 776 GiB, of them the routers' 8 GiB
+                        ([*ARGV, "--num-experts", str(2**26)],
+                         r"the model .*: expected parameters that fit in memory, got 776\.\d GiB")):
         assert main([*argv, *out]) == 2
         assert re.search(match, capsys.readouterr().err)
     assert sorted(tmp_path.iterdir()) == [tmp_path / "t.bin"]

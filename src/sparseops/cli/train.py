@@ -344,19 +344,19 @@ def check_run(spec, data, args: argparse.Namespace):
 
 
 def _check_memory(spec, model, args: argparse.Namespace, data) -> None:
-    """The parameters every rank allocates whole (all but the routed experts) must fit its memory: a vocabulary
-    of a token file read with the wrong ``--data-dtype`` (uint16 pairs read as uint32 ids) would otherwise fail
-    deep in torch's allocator, after the process group exists."""
+    """The parameters every rank allocates (the full model, before ``parallelize`` shards it; 1/ep of the experts
+    with --replicated-tokens) must fit its memory: the vocabulary of a token file read with the wrong
+    ``--data-dtype`` (uint16 pairs read as uint32 ids) would otherwise fail deep in torch's allocator."""
     import torch
 
     from ..models.lm import expert_parameter
-
-    nbytes = sum(p.numel() for name, p in model.named_parameters() if not expert_parameter(name)) * spec.dtype.itemsize
+    share = {True: spec.layout.ep if spec.layout.data_parallel == "none" else 1, False: 1}
+    nbytes = sum(p.numel() // share[expert_parameter(n)] for n, p in model.named_parameters()) * spec.dtype.itemsize
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     have = memory_bytes(int(os.environ.get("LOCAL_RANK", 0)) if cuda else None)
     if have is None or nbytes <= have:
         return
-    gib = f"{nbytes / 2**30:.1f} GiB of parameters outside the experts, above the {have / 2**30:.1f} GiB of memory"
+    gib = f"{nbytes / 2**30:.1f} GiB of parameters on each rank, above the {have / 2**30:.1f} GiB of memory"
     if args.vocab_size is not None:
         raise _Bad(f"--vocab-size: expected a vocabulary the model can hold, got {args.vocab_size}: {gib}")
     if args.data is not None:
