@@ -245,3 +245,32 @@ def test_resume_with_other_steps_takes_the_new_schedule_from_its_first_step(save
     assert main([*ARGV, "--resume", str(saved / "two"), "--steps", "3"]) == 0
     # the last call is step 2's, the run's one step (DCP's load steps the optimizer at lr 0 to make its state)
     assert lrs[-1] == lr_at(2, dataclasses.replace(CFG, steps=3)) != lr_at(2, CFG)
+
+
+def test_a_step_out_of_memory_stops_the_run_with_a_message(tmp_path, monkeypatch, capsys, one_thread):
+    """An allocation that fails in a step (CUDA's OutOfMemoryError, or the CPU allocator's RuntimeError): exit 1
+    naming the step and what to shrink, the JSON written with it, not torch's traceback."""
+    from sparseops.training import loop
+
+    real, calls = loop._forward, []
+
+    def forward(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB") if k.get("cuda") else
+                   RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                                "memory: you tried to allocate 9663676416 bytes."))
+        return real(*a)
+
+    monkeypatch.setattr(loop, "_forward", forward)
+    assert main([*ARGV, "--steps", "2", "--json", str(tmp_path / "r.json")]) == 1
+    err = capsys.readouterr().err
+    assert re.search(r"rank 0: stopped at step 1: RuntimeError on rank 0: .*can't allocate memory.* \(out of memory: a "
+                     r"smaller --global-batch or --seq-len, more --micro-batches or ranks, or "
+                     r"--activation-checkpointing\)", err), err
+    r = _json(tmp_path / "r.json")
+    assert r["steps"] == [0] and r["error"].startswith("step 1: RuntimeError")
+    calls.clear()
+    monkeypatch.setattr(loop, "_forward", lambda *a: forward(*a, cuda=True))
+    assert main([*ARGV, "--steps", "2"]) == 1
+    assert "stopped at step 1: OutOfMemoryError on rank 0: CUDA out of memory" in capsys.readouterr().err

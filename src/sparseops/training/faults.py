@@ -82,7 +82,21 @@ def nonfinite_ranks(flags: torch.Tensor) -> list[int]:
     return [int(r) for r in torch.nonzero(flags).reshape(-1).tolist()]
 
 
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation that failed: CUDA's ``OutOfMemoryError``, or the CPU allocator's
+    ``RuntimeError`` (a request beyond what the kernel grants; one the kernel grants and then cannot back ends the
+    process instead, without a message)."""
+    return isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)
+
+
+def memory_failure(step: int, rank: int, exc: BaseException) -> TrainingStopped:
+    """The error of an allocation that failed on this rank in a step (the batch's activations, mostly)."""
+    return TrainingStopped(step, f"{type(exc).__name__} on rank {rank}: {first_line(exc)} (out of memory: a smaller "
+                                 "--global-batch or --seq-len, more --micro-batches or ranks, or "
+                                 "--activation-checkpointing)")
+
+
 def collective_failure(step: int, rank: int, timeout: float, exc: BaseException) -> TrainingStopped:
     """The error of a collective that raised on this rank (a peer stopped responding or died)."""
-    return TrainingStopped(step, f"{type(exc).__name__} on rank {rank}: {first_line(exc)} (a collective that fails here: a "
-                                 f"rank stopped responding within --comm-timeout {timeout:g} s, or died)")
+    return TrainingStopped(step, f"{type(exc).__name__} on rank {rank}: {first_line(exc)} (a collective that failed here: a "
+                                 f"rank did not respond within --comm-timeout {timeout:g} s, or died)")

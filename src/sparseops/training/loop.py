@@ -45,7 +45,15 @@ from ..models.train import TrainConfig, build_model, grad_norm_sq, lr_factor, re
 from . import checkpoint
 from .data import RecallStream, TokenFile
 from .dsa_warmup import Stages, ddp_options
-from .faults import TrainingStopped, collective_failure, fault_from_env, inject, nonfinite_ranks
+from .faults import (
+    TrainingStopped,
+    collective_failure,
+    fault_from_env,
+    inject,
+    memory_failure,
+    nonfinite_ranks,
+    out_of_memory,
+)
 
 #: ``Layout.data_parallel``: parallelize's two (``"fsdp"``, ``"ddp"``), or ``"none"``: expert parallelism without
 #: data parallelism, every rank running the whole global batch (``MoELayer(replicated_tokens=True)``, the demo's
@@ -193,6 +201,8 @@ def train_run(spec: RunSpec, result: dict, *, device: torch.device | None = None
         except checkpoint.SaveFailed as exc:  # on every rank (DCP gathers the write results)
             raise TrainingStopped(step, str(exc)) from None
         except (RuntimeError, dist.DistError) as exc:
+            if out_of_memory(exc):  # named on the rank that ran out (torchrun then ends the others)
+                raise memory_failure(step, rank, exc) from exc
             if world == 1:
                 raise
             raise collective_failure(step, rank, spec.comm_timeout, exc) from exc
