@@ -71,6 +71,7 @@ def _tree(root: Path) -> list[str]:
     (["--resume", "{ck}", "--weight-decay", "0.1"], r"--weight-decay: expected the checkpoint's 0.0 with --resume"),
     (["--save", "{ck}"], "--save: expected a directory with no complete checkpoint after step 0 .*holding step_2, step_4"),
     (["--resume", "{saved}/two", "--save", "{ck}"], "--save: expected .* after step 2 .*holding step_4; resume"),
+    (["--resume", "{ck}/step_2", "--save", "{ck}"], "--save: expected .* after step 2 .*holding step_4; resume"),
     (["--save", "{saved}/t.bin"], "--save: expected a directory that can be written, got .*t.bin' .*t.bin' is a file."),
     (["--save", "{saved}/blocked"], "--save: expected only checkpoint directories named step_<s> in .*blocked', got "
                                    "step_2, not a directory"),
@@ -81,7 +82,7 @@ def _tree(root: Path) -> list[str]:
                                     r"checkpoint's .metadata records\), got 1000 bytes: a damaged or partial checkpoint"),
     (["--resume", "{saved}/empty"], r"--resume: expected a readable .metadata in '.*empty/step_2', got one that does "
                                     r"not read \(EOFError: .*\): a damaged checkpoint"),
-], ids=["experts", "top-k", "rope", "rope-off", "seed", "dense-steps", "micro-batches", "recall-task", "data-kind", "data-kind-first", "tokens-without-data", "lr", "weight-decay", "save-over-later", "resume-save-over-later",
+], ids=["experts", "top-k", "rope", "rope-off", "seed", "dense-steps", "micro-batches", "recall-task", "data-kind", "data-kind-first", "tokens-without-data", "lr", "weight-decay", "save-over-later", "resume-save-over-later", "resume-named-save-over-later",
         "save-a-file", "save-a-file-in-the-way", "json-a-device", "json-a-directory", "steps-before-resumed", "truncated-shard",
         "empty-metadata"])
 def test_resume_and_outputs_checked_before_any_collective(saved, tmp_path, monkeypatch, capsys, extra, match):
@@ -180,6 +181,8 @@ def test_resume_with_the_flags_left_out_continues_the_checkpoints_run(saved):
     assert spec.model == MODEL.replace(vocab_size=TINY_TASK.vocab_size) and spec.task == TINY_TASK
     assert (spec.optim.seed, spec.optim.batch_size) == (CFG.seed, CFG.batch_size)
     assert spec.model != build_spec(build_parser().parse_args(["train"]), 1).model
+    spec = build_spec(build_parser().parse_args(["train", "--resume", str(saved / "ck" / "step_2")]), 1)
+    assert spec.resume == saved / "ck" / "step_2"  # a checkpoint named: that one, not DIR's newest (step_4)
 
 
 def test_checkpoints_without_recorded_settings_are_checked_by_shape(saved, tmp_path):

@@ -63,20 +63,26 @@ def in_the_way(directory: str | os.PathLike) -> list[Path]:
 
 
 def newest_complete(directory: str | os.PathLike, flag: str = "--resume") -> tuple[int, Path]:
-    """The newest complete checkpoint of ``directory`` as ``(step, path)``.
+    """The newest complete checkpoint of ``directory`` as ``(step, path)``, or ``directory`` itself when it is a
+    complete checkpoint ``step_<s>`` (to resume from an earlier one than the newest).
 
     Incomplete ones newer than it (a run stopped while saving) are skipped with a warning.
 
     Raises:
         ValueError: ``directory`` holds no complete checkpoint (named with ``flag``).
     """
+    root = Path(directory)
+    named = _NAME.fullmatch(root.name)
+    if named and (root / METADATA).is_file():
+        return int(named.group(1)), root
     complete, incomplete = scan(directory)
     if not complete:
-        what = "does not exist" if not Path(directory).exists() else (
+        what = "does not exist" if not root.exists() else "is not a directory" if not root.is_dir() else (
             f"holds no complete checkpoint (step_<s> with {METADATA})"
             + (f"; incomplete: {', '.join(p.name for p in incomplete)}" if incomplete else ""))
-        raise ValueError(f"{flag}: expected a directory with a complete checkpoint, got {os.fspath(directory)!r}, "
-                         f"which {what}")
+        raise ValueError(f"{flag}: expected a directory with a complete checkpoint, or a complete checkpoint "
+                         f"DIR/step_<s>, got "
+                         f"{os.fspath(directory)!r}, which {what}")
     step, path = complete[-1]
     for p in incomplete:
         if int(_NAME.fullmatch(p.name).group(1)) > step:
@@ -231,7 +237,7 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, t
             dcp.load(state, checkpoint_id=path)
     except (CheckpointException, OSError, EOFError) as exc:  # on every rank (DCP gathers the read results)
         raise LoadFailed(f"--resume: the checkpoint {os.fspath(path)} could not be read: {_first_cause(exc)}; a "
-                         "damaged checkpoint (resume from an earlier one)") from None
+                         "damaged checkpoint (resume from an earlier one: --resume DIR/step_<s>)") from None
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
     if dist.is_initialized():
