@@ -299,6 +299,24 @@ def test_bad_flags_exit_2_before_any_collective(tmp_path, monkeypatch, capsys, w
     assert not (tmp_path / "r.json").exists() and not (tmp_path / "ck").exists()
 
 
+@pytest.mark.parametrize("env, missing", [({"WORLD_SIZE": "2"}, "RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT"),
+                                          ({"WORLD_SIZE": "1", "RANK": "0"}, "LOCAL_RANK, MASTER_ADDR, MASTER_PORT"),
+                                          ({"WORLD_SIZE": "2", "RANK": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "a",
+                                            "MASTER_PORT": "1"}, None)], ids=["world-alone", "no-master", "rank-2-of-2"])
+def test_a_stray_world_size_is_named_not_torchs_traceback(tmp_path, monkeypatch, capsys, env, missing):
+    """WORLD_SIZE without the rest of torchrun's environment (a stray variable): exit 2 naming the variables,
+    not a KeyError or torch's env:// rendezvous traceback; nothing written."""
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert main([*ARGV, "--json", str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert "sparseops train: expected torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, " in err
+    assert (f"(missing: {missing}): launch with torchrun" if missing else "RANK='2', WORLD_SIZE='2'") in err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_vocabulary_beyond_memory_is_refused_naming_the_flag(tmp_path, monkeypatch, capsys):
     """A uint16 token file read as uint32 makes ids in the billions: the embedding the largest id + 1 sets (or a
     --vocab-size, or model flags) above the memory is exit 2 naming the flag, before any collective, not torch's

@@ -19,6 +19,33 @@ def seed_problem(seed: int) -> str | None:
     return None
 
 
+#: what torchrun gives each worker (``env://``: the process group reads the last two)
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_env() -> tuple[int, int, int] | None:
+    """``(rank, world_size, local_rank)`` from torchrun's environment, None without ``WORLD_SIZE`` (one process).
+
+    Raises:
+        ValueError: ``WORLD_SIZE`` set but the rest missing or not integers in range (a stray variable, not
+            torchrun): naming the variables, before the process group's own traceback.
+    """
+    if "WORLD_SIZE" not in os.environ:
+        return None
+    missing = [k for k in TORCHRUN_ENV if not os.environ.get(k)]
+    try:
+        rank, world, local = (int(os.environ.get(k, "0")) for k in TORCHRUN_ENV[:3])
+    except ValueError:
+        rank = world = -1
+    if missing or not 0 <= rank < world:
+        got = ", ".join(f"{k}={os.environ[k]!r}" for k in TORCHRUN_ENV if k in os.environ)
+        missing_text = f" (missing: {', '.join(missing)})" if missing else ""
+        raise ValueError(f"expected torchrun's environment ({', '.join(TORCHRUN_ENV)}; 0 <= RANK < WORLD_SIZE) when "
+                         f"WORLD_SIZE is set, got {got}{missing_text}: launch with torchrun, or unset WORLD_SIZE to run "
+                         "in one process")
+    return rank, world, local
+
+
 def adamw_problem(lr: float, weight_decay: float, dtype_max: float, beta1: float = 0.9) -> str | None:
     """What is wrong with ``--lr`` / ``--weight-decay`` for parameters whose largest value is ``dtype_max``, or
     None: AdamW converts its first step's size ``lr / (1 - beta1)`` and ``lr * weight_decay`` to the parameters'

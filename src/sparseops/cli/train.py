@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from . import _resume
-from ._flags import adamw_problem, memory_bytes, outputs_problem, seed_problem
+from ._flags import adamw_problem, memory_bytes, outputs_problem, seed_problem, torchrun_env
 from ._resume import LEFT_OUT
 
 HELP = "train the NSA + MoE LM under torchrun (or in one process): layouts, DCP checkpoints, resume, faults"
@@ -384,13 +384,6 @@ def config_argv(task, model, optim) -> list[str]:
     return argv
 
 
-def _torchrun_env() -> tuple[int, int, int] | None:
-    """``(rank, world_size, local_rank)`` from torchrun's environment, or None without it."""
-    if "WORLD_SIZE" not in os.environ:
-        return None
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
-
-
 def _result_json(args, spec, world: int, result: dict, error: str | None) -> dict:
     return {"steps": result.get("steps", []), "loss": result.get("loss", []),
             "resumed_from": result.get("resumed_from"), "world_size": world,
@@ -416,7 +409,11 @@ def _write_json(path: Path, record: dict) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    env = _torchrun_env()
+    try:
+        env = torchrun_env()
+    except ValueError as exc:
+        print(f"sparseops train: {exc}", file=sys.stderr)
+        return 2
     rank, world, local_rank = env if env is not None else (0, 1, 0)
     try:
         spec = build_spec(args, world)
