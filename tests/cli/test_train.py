@@ -385,10 +385,11 @@ def _wait(procs: list[subprocess.Popen]) -> tuple[list[int], str]:
     return [p.returncode for p in procs], "\n".join(out)
 
 
-def torchrun(nproc: int, train_args: list[str], **env) -> tuple[int, str, float]:
-    """``torchrun --standalone --nproc-per-node nproc -m sparseops train ...``: exit status, output, seconds."""
+def torchrun(nproc: int, train_args: list[str], agent: tuple[str, ...] = (), **env) -> tuple[int, str, float]:
+    """``torchrun --standalone --nproc-per-node nproc *agent -m sparseops train ...``: exit status, output,
+    seconds."""
     t0 = time.monotonic()
-    rcs, out = _wait([_launch(["--standalone", "--nproc-per-node", str(nproc)], ["train", *train_args],
+    rcs, out = _wait([_launch(["--standalone", "--nproc-per-node", str(nproc), *agent], ["train", *train_args],
                               _env(**env))])
     return rcs[0], out, time.monotonic() - t0
 
@@ -462,16 +463,18 @@ def test_resharded_resume(oracle, tmp_path, one_thread):
 
 
 @pytest.mark.distributed
-def test_killed_rank_then_relaunch_resumes_bitwise(oracle, tmp_path):
-    """Rank 1 killed (SIGKILL) at step 3: torchrun ends the job non-zero; the relaunch resumes from step 2 and
-    its losses and final checkpoint are bitwise those of the uninterrupted run at the same layout."""
+def test_killed_rank_restarted_by_torchrun_resumes_bitwise(oracle, tmp_path):
+    """One command, ``torchrun --max-restarts 1 ... --auto-resume``: rank 1 killed (SIGKILL) at step 3 of the first
+    attempt, torchrun restarts the group, which resumes from step 2 of its --save DIR and finishes; the losses and
+    final checkpoint are bitwise those of the uninterrupted run at the same layout."""
     ck = tmp_path / "ck"
-    args = [*ARGV[1:], *F64, *LAYOUT, "--save", str(ck), "--save-every", "2"]
-    rc, out, _ = torchrun(2, args, SPARSEOPS_TRAIN_FAULT="kill:rank=1:step=3")
-    assert rc != 0 and "exitcode  : -9" in out, out
-    assert (ck / "step_2" / ".metadata").is_file() and not (ck / "step_4").exists()
-    rc, out, _ = torchrun(2, [*args, "--resume", str(ck), "--json", str(tmp_path / "r.json")])
+    args = [*ARGV[1:], *F64, *LAYOUT, "--save", str(ck), "--save-every", "2", "--auto-resume", "--json",
+            str(tmp_path / "r.json")]
+    rc, out, _ = torchrun(2, args, ("--max-restarts", "1"), SPARSEOPS_TRAIN_FAULT="kill:rank=1:step=3:restart=0",
+                          TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     assert rc == 0, out
+    assert out.count("starting at step 0") == 1 and f"--auto-resume: resuming from {ck / 'step_2'}" in out, out
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in out, out  # no warning: each attempt has its own store
     r, whole = _json(tmp_path / "r.json"), _json(oracle / "two.json")
     assert r["resumed_from"] == 2 and r["steps"] == [2, 3] and r["loss"] == whole["loss"][2:]
     _assert_same_checkpoint(_checkpoint(ck / "step_4", tmp_path), _checkpoint(oracle / "two" / "step_4", tmp_path))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparseops.cli import main
+from sparseops.cli import _flags, main
 
 from ..models.test_lm import TINY_TASK
 from .test_train import ARGV, ARGV_DATA, CFG, MODEL, _checkpoint, _json, main_one_thread
@@ -82,9 +82,16 @@ def _tree(root: Path) -> list[str]:
                                     r"checkpoint's .metadata records\), got 1000 bytes: a damaged or partial checkpoint"),
     (["--resume", "{saved}/empty"], r"--resume: expected a readable .metadata in '.*empty/step_2', got one that does "
                                     r"not read \(EOFError: .*\): a damaged checkpoint"),
+    (["--auto-resume", "--save", "{ck}", "--top-k", "1"],  # a resume's checks, named with the flag given
+     r"--top-k: expected the checkpoint's 2 with --auto-resume \(the run it continues used it; .*\), got 1 "
+     r"\(checkpoint '.*ck/step_4'\)"),
+    (["--auto-resume", "--save", "{saved}/trunc"], r"--auto-resume: expected '.*trunc/step_2/__0_0.distcp' of at least"),
+    (["--auto-resume", "--resume", "{ck}"], r"--auto-resume: expected no --resume with it \(it resumes from --save "
+                                            r"'.*out' when that holds a complete checkpoint, else starts at step 0\), "
+                                            r"got --resume '.*ck'"),
 ], ids=["experts", "top-k", "rope", "rope-off", "seed", "dense-steps", "micro-batches", "recall-task", "data-kind", "data-kind-first", "tokens-without-data", "lr", "weight-decay", "save-over-later", "resume-save-over-later", "resume-named-save-over-later",
         "save-a-file", "save-a-file-in-the-way", "json-a-device", "json-a-directory", "steps-before-resumed", "truncated-shard",
-        "empty-metadata"])
+        "empty-metadata", "auto-resume-top-k", "auto-resume-truncated-shard", "auto-resume-and-resume"])
 def test_resume_and_outputs_checked_before_any_collective(saved, tmp_path, monkeypatch, capsys, extra, match):
     """A checkpoint of another model, data or optimizer setting, a --save directory whose later checkpoints the
     run would write over (or a later --resume would pick), an output that cannot be written: exit 2 naming the
@@ -101,6 +108,41 @@ def test_resume_and_outputs_checked_before_any_collective(saved, tmp_path, monke
     assert main([*argv, "--ep", "2", "--comm-timeout", "5", *extra, *out]) == 2
     assert re.search(match, capsys.readouterr().err)
     assert _tree(saved) == before and _tree(tmp_path) == []
+
+
+def test_auto_resume_starts_at_step_0_then_resumes_the_newest_checkpoint(tmp_path, monkeypatch, capsys,
+                                                                         one_thread):
+    """One command, launched again after a death while saving step_4: the first launch (no --save DIR yet) starts
+    at step 0, the second skips the incomplete step_4 with a warning and resumes from step_2 with the first's losses
+    bitwise, a third (the run done) resumes at its last step and trains nothing; rank 0 says which, one line each.
+    Without --save it is refused."""
+    ck = tmp_path / "ck"
+    argv = [*ARGV, "--save", str(ck), "--save-every", "2", "--auto-resume", "--json", str(tmp_path / "r.json")]
+    assert main(argv) == 0
+    first = _json(tmp_path / "r.json")
+    assert first["resumed_from"] is None and first["steps"] == [0, 1, 2, 3]
+    assert f"--auto-resume: --save {ck} holds no complete checkpoint: starting at step 0\n" in capsys.readouterr().out
+    (ck / "step_4" / ".metadata").unlink()  # as if the run had died while saving it
+    with pytest.warns(UserWarning, match="step_4 is incomplete"):
+        assert main(argv) == 0
+    again = _json(tmp_path / "r.json")
+    assert again["resumed_from"] == 2 and again["steps"] == [2, 3] and again["loss"] == first["loss"][2:]
+    assert again["recall"] == first["recall"]
+    assert (f"--auto-resume: resuming from {ck / 'step_2'}, the newest complete checkpoint of --save {ck}\n"
+            in capsys.readouterr().out)
+    assert main(argv) == 0
+    done = _json(tmp_path / "r.json")
+    assert done["resumed_from"] == 4 and done["steps"] == [] and done["recall"] == first["recall"]
+    assert f"--auto-resume: resuming from {ck / 'step_4'}" in capsys.readouterr().out
+    assert main([*ARGV, "--auto-resume"]) == 2
+    assert ("--auto-resume: expected --save DIR with it (the run resumes from DIR's newest complete checkpoint when "
+            "it holds one), got no --save") in capsys.readouterr().err
+    # torchrun --max-restarts with the store it shares with the workers by default: warned, with the way out
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    assert "launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in _flags.restart_store_warning()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    assert _flags.restart_store_warning() is None
 
 
 def test_a_checkpoint_that_cannot_be_written_stops_the_run_with_a_message(tmp_path, monkeypatch, capsys,
@@ -134,7 +176,7 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_with_a_message(tmp_pa
 
 def test_a_json_that_cannot_be_written_at_the_end_exits_1(tmp_path, monkeypatch, capsys, one_thread):
     """The launch check passed but the write at the end fails: a message naming --json, exit 1, no partial file."""
-    from sparseops.cli import train as cli_train
+    from sparseops.cli import _flags
 
     real = Path.write_text
 
@@ -144,7 +186,7 @@ def test_a_json_that_cannot_be_written_at_the_end_exits_1(tmp_path, monkeypatch,
         return real(self, *a, **k)
 
     monkeypatch.setattr(Path, "write_text", fail)
-    assert cli_train._write_json(tmp_path / "r.json", {"a": 1}).startswith("could not write")
+    assert _flags.write_json(tmp_path / "r.json", {"a": 1}).startswith("could not write")
     assert main([*ARGV, "--steps", "1", "--json", str(tmp_path / "r.json")]) == 1
     assert "--json: could not write" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []

@@ -1,9 +1,11 @@
 """Flag checks the subcommands share, made before any work: a seed torch accepts, an output folder or file that
-can be written. ``check_*`` exit (``SystemExit``: status 2, one line naming the command and the flag); ``sparseops
-train``, which reports on rank 0 only, takes the ``*_problem`` answers."""
+can be written; and the results file written whole or not at all. ``check_*`` exit (``SystemExit``: status 2,
+one line naming the command and the flag); ``sparseops train``, which reports on rank 0 only, takes the
+``*_problem`` answers."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -139,3 +141,29 @@ def check_out_dir(prog: str, flag: str, folder: str | os.PathLike) -> None:
 
 def check_out_file(prog: str, flag: str, path: str | os.PathLike) -> None:
     _exit(prog, out_file_problem(flag, path))
+
+
+def restart_store_warning() -> str | None:
+    """Rank 0's warning when torchrun may restart the workers (``--max-restarts`` > 0) with its rendezvous store
+    shared with them (``TORCHELASTIC_USE_AGENT_STORE=True``, torch's default): the store outlives an attempt, and a
+    restarted group's gloo set-up can read the previous attempt's addresses and fail (pytorch/pytorch#135712);
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives each attempt its own store (docs/training.md, "Faults")."""
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) < 1:
+        return None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return ("sparseops train: warning: torchrun --max-restarts with its rendezvous store shared with the workers "
+            "(TORCHELASTIC_USE_AGENT_STORE=True): a restarted group can read the previous attempt's addresses and fail "
+            "to connect (pytorch/pytorch#135712); launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
+
+def write_json(path: Path, record: dict) -> str | None:
+    """Write ``record`` to ``path`` whole or not at all (a file beside it, then renamed); what failed, or None."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        return f"could not write {os.fspath(path)!r} ({exc.strerror or exc}); the run's results are lost"
+    return None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 
 #: ``train.settings.<flag>``: the entries' prefix in a checkpoint
@@ -151,3 +152,42 @@ def micro_batches_notice(spec) -> str | None:
             "cross-entropy the same up to rounding" if terms else "the loss the same up to rounding (no aux loss)")
     return (f"sparseops train: --micro-batches {spec.micro_batches} from step {step} on, the checkpoint's "
             f"{spec.resumed_micro_batches} before: {what}; this run's checkpoints record {spec.micro_batches}")
+
+
+def resume_source(args: argparse.Namespace, bad: type[Exception]) -> str | None:
+    """The directory (or ``DIR/step_<s>``) the run resumes from: ``--resume``'s, or under ``--auto-resume`` the
+    ``--save`` DIR when it holds a complete checkpoint; None: the run starts at step 0. Decided from the files
+    alone, before any collective: every rank of a launch sees the same (docs/training.md, "Faults").
+
+    Raises:
+        bad: ``--auto-resume`` without ``--save``, or with ``--resume``.
+    """
+    if not args.auto_resume:
+        return args.resume
+    if args.save is None:
+        raise bad("--auto-resume: expected --save DIR with it (the run resumes from DIR's newest complete "
+                  "checkpoint when it holds one), got no --save")
+    if args.resume is not None:  # which of the two would win is a guess a user should not have to make
+        raise bad(f"--auto-resume: expected no --resume with it (it resumes from --save {args.save!r} when that "
+                  f"holds a complete checkpoint, else starts at step 0), got --resume {args.resume!r}")
+    from ..training import checkpoint
+
+    return args.save if checkpoint.scan(args.save)[0] else None
+
+
+def as_given(message: str, args: argparse.Namespace) -> str:
+    """A refusal of the resume named with the flag given: under ``--auto-resume`` (``--resume`` refused with it)
+    the checks of ``--resume`` name ``--auto-resume``."""
+    if not getattr(args, "auto_resume", False) or args.resume is not None:
+        return message
+    return re.sub(r"(?<![\w-])--resume\b", "--auto-resume", message)
+
+
+def auto_resume_notice(args: argparse.Namespace, spec) -> str | None:
+    """Rank 0's line under ``--auto-resume``: which checkpoint it resumes from, or that it starts at step 0."""
+    if not args.auto_resume:
+        return None
+    if spec.resume is not None:
+        return (f"sparseops train: --auto-resume: resuming from {os.fspath(spec.resume)}, the newest complete "
+                f"checkpoint of --save {args.save}")
+    return f"sparseops train: --auto-resume: --save {args.save} holds no complete checkpoint: starting at step 0"

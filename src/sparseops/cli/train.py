@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import sys
 from pathlib import Path
 
-from . import _resume
-from ._flags import adamw_problem, memory_bytes, outputs_problem, seed_problem, torchrun_env
+from . import _flags, _resume
+from ._flags import adamw_problem, memory_bytes, outputs_problem, seed_problem, torchrun_env, write_json
 from ._resume import LEFT_OUT
 
 HELP = "train the NSA + MoE LM under torchrun (or in one process): layouts, DCP checkpoints, resume, faults"
@@ -122,6 +121,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "the end)")
     g.add_argument("--resume", metavar="DIR", default=None,
                    help="resume from DIR's newest complete checkpoint, at any layout")
+    g.add_argument("--auto-resume", action="store_true",
+                   help="with --save DIR: resume from DIR's newest complete checkpoint when it holds one, else start "
+                        "at step 0 (one command for the first launch and torchrun --max-restarts' restarts)")
     g.add_argument("--comm-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="every collective's timeout: a rank that stops responding ends the job after it")
     g.add_argument("--json", metavar="PATH", default=None, help="write the losses and the layout here (rank 0)")
@@ -216,9 +218,9 @@ def build_spec(args: argparse.Namespace, world: int):
         raise _Bad("--device: expected a machine where torch sees CUDA for 'cuda', got none "
                    "(torch.cuda.is_available() is False)")
     resume, resumed, given_micro, saved_micro = None, 0, args.micro_batches, None
-    if args.resume is not None:
+    if (source := _resume.resume_source(args, _Bad)) is not None:
         try:
-            resumed, resume = checkpoint.newest_complete(args.resume)
+            resumed, resume = checkpoint.newest_complete(source)
         except ValueError as exc:
             raise _Bad(str(exc)) from None
         saved_micro = _resume.take_settings(args, os.fspath(resume), _MODEL_INT + _MODEL_FLOAT, _RECALL, _Bad)
@@ -395,19 +397,6 @@ def _result_json(args, spec, world: int, result: dict, error: str | None) -> dic
             "checkpoints": result.get("checkpoints", []), "seconds": result.get("seconds"), "error": error}
 
 
-def _write_json(path: Path, record: dict) -> str | None:
-    """Write ``record`` to ``path`` whole or not at all (a file beside it, then renamed); what failed, or None."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(record, indent=1) + "\n")
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        return f"could not write {os.fspath(path)!r} ({exc.strerror or exc}); the run's results are lost"
-    return None
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         env = torchrun_env()
@@ -429,7 +418,7 @@ def run(args: argparse.Namespace) -> int:
         check_outputs(args, rank)
     except (_Bad, ValueError) as exc:
         if rank == 0:
-            print(f"sparseops train: {exc}", file=sys.stderr)
+            print(f"sparseops train: {_resume.as_given(str(exc), args)}", file=sys.stderr)
         return 2
     import datetime
 
@@ -445,6 +434,8 @@ def run(args: argparse.Namespace) -> int:
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if env is not None:
+        if rank == 0 and (warning := _flags.restart_store_warning()):
+            print(warning, file=sys.stderr, flush=True)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group("cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo",
@@ -456,9 +447,9 @@ def run(args: argparse.Namespace) -> int:
               + (f" under autocast {args.autocast}" if args.autocast else "") + f" on {device.type}"
               + (f", DSA dense warm-up for {spec.dsa_dense_steps} steps" if spec.dsa_dense_steps else "")
               + (f", resuming from {spec.resume}" if spec.resume else ""), flush=True)
-        notice = _resume.micro_batches_notice(spec)
-        if notice:
-            print(notice, flush=True)
+        for notice in (_resume.auto_resume_notice(args, spec), _resume.micro_batches_notice(spec)):
+            if notice:
+                print(notice, flush=True)
 
     def on_step(step: int, loss: float) -> None:
         if spec.log_every and ((step + 1) % spec.log_every == 0 or step + 1 == spec.optim.steps):
@@ -475,7 +466,7 @@ def run(args: argparse.Namespace) -> int:
         error, status = str(exc), 1
         print(f"sparseops train: rank {rank}: {exc}", file=sys.stderr, flush=True)
     if rank == 0 and args.json:
-        problem = _write_json(Path(args.json), _result_json(args, spec, world, result, error))
+        problem = write_json(Path(args.json), _result_json(args, spec, world, result, error))
         if problem:
             print(f"sparseops train: --json: {problem}", file=sys.stderr, flush=True)
             status = status or 1

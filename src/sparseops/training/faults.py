@@ -2,7 +2,9 @@
 (docs/training.md, "Faults").
 
 ``SPARSEOPS_TRAIN_FAULT=<kind>:rank=<r>:step=<s>`` (tests only) makes rank ``r`` misbehave at step ``s``
-(``s`` counts from 0, before the step's first collective):
+(``s`` counts from 0, before the step's first collective); ``:restart=<n>`` added, only in torchrun's attempt ``n``
+(``TORCHELASTIC_RESTART_COUNT``, 0 in the first launch; 0 without torchrun), so that a job under
+``torchrun --max-restarts`` fails once and its restart runs clean:
 
 - ``hang``: sleeps forever (a rank that stops responding: the others' collectives time out after
   ``--comm-timeout``);
@@ -23,6 +25,8 @@ from .._checks import first_line
 
 FAULT_ENV = "SPARSEOPS_TRAIN_FAULT"
 FAULT_KINDS = ("hang", "kill", "nan")
+#: torchrun's count of the worker group's restarts, in each worker's environment
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 
 
 class TrainingStopped(RuntimeError):
@@ -38,13 +42,16 @@ class Fault:
     kind: str
     rank: int
     step: int
+    #: the torchrun attempt it happens in (None: every attempt)
+    restart: int | None = None
 
-    def at(self, step: int, rank: int) -> bool:
-        return self.step == step and self.rank == rank
+    def at(self, step: int, rank: int, restart: int = 0) -> bool:
+        return self.step == step and self.rank == rank and self.restart in (None, restart)
 
 
 def parse_fault(text: str | None) -> Fault | None:
-    """``"hang:rank=1:step=3"`` -> ``Fault("hang", 1, 3)``; None or ``""`` -> None.
+    """``"hang:rank=1:step=3"`` -> ``Fault("hang", 1, 3)``, ``"kill:rank=1:step=3:restart=0"`` ->
+    ``Fault("kill", 1, 3, 0)``; None or ``""`` -> None.
 
     Raises:
         ValueError: naming :data:`FAULT_ENV`, the expected form and the value.
@@ -53,11 +60,18 @@ def parse_fault(text: str | None) -> Fault | None:
         return None
     parts = text.split(":")
     fields = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
-    ok = (len(parts) == 3 and parts[0] in FAULT_KINDS and set(fields) == {"rank", "step"}
-          and all(v.isdigit() for v in fields.values()))
+    ok = (len(parts) == len(fields) + 1 and parts[0] in FAULT_KINDS
+          and set(fields) in ({"rank", "step"}, {"rank", "step", "restart"}) and all(v.isdigit() for v in fields.values()))
     if not ok:
-        raise ValueError(f"{FAULT_ENV}: expected '<kind>:rank=<r>:step=<s>' with kind in {FAULT_KINDS}, got {text!r}")
-    return Fault(parts[0], int(fields["rank"]), int(fields["step"]))
+        raise ValueError(f"{FAULT_ENV}: expected '<kind>:rank=<r>:step=<s>' (and optionally ':restart=<n>') with kind "
+                         f"in {FAULT_KINDS}, got {text!r}")
+    restart = fields.get("restart")
+    return Fault(parts[0], int(fields["rank"]), int(fields["step"]), None if restart is None else int(restart))
+
+
+def restart_count() -> int:
+    """torchrun's attempt of this worker (``TORCHELASTIC_RESTART_COUNT``; 0 without torchrun)."""
+    return int(os.environ.get(RESTART_ENV, "0"))
 
 
 def fault_from_env() -> Fault | None:
@@ -67,7 +81,7 @@ def fault_from_env() -> Fault | None:
 def inject(fault: Fault | None, step: int, rank: int) -> bool:
     """Act out ``fault`` when it is due at ``(step, rank)``: hang or die here; True for ``nan`` (the caller
     poisons its loss)."""
-    if fault is None or not fault.at(step, rank):
+    if fault is None or not fault.at(step, rank, restart_count()):
         return False
     if fault.kind == "hang":
         while True:
