@@ -9,7 +9,9 @@ position is counted in steps) and ``--micro-batches`` (the aux loss is the mean 
 value is refused (the run would silently compute something else than the run it continues), but for
 ``--micro-batches``: a relaunch on fewer ranks raises ``M`` to keep each rank's memory, so a resume may change it
 (the run uses the new ``M`` from the resumed step on, rank 0 says so once, its checkpoints record it). Checkpoints
-written before the settings were recorded carry none: only their shapes are checked.
+written before the settings were recorded carry none: only their shapes are checked. ``--auto-resume`` resumes
+from the ``--save`` DIR when it holds a complete checkpoint, with the same checks (:func:`resume_source`; its
+refusals name ``--auto-resume``: :func:`as_given`).
 """
 
 from __future__ import annotations
