@@ -156,6 +156,7 @@ def restart_store_warning() -> str | None:
             "(TORCHELASTIC_USE_AGENT_STORE=True): a restarted group can read the previous attempt's addresses and fail "
             "to connect (pytorch/pytorch#135712); launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
 
+
 def write_json(path: Path, record: dict) -> str | None:
     """Write ``record`` to ``path`` whole or not at all (a file beside it, then renamed); what failed, or None."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
