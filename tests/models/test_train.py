@@ -5,15 +5,29 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparseops.models.train import TrainConfig, demo_setup, grad_norm_sq, train, train_expert_parallel
+from sparseops.distributed import spawn
+from sparseops.models.train import (
+    TrainConfig,
+    _ep_worker,
+    demo_setup,
+    grad_norm_sq,
+    train,
+    train_expert_parallel,
+)
 
 from .test_lm import TINY, TINY_TASK
 
 TIMEOUT = 240.0
 #: the expert FFN a multiple of 32: no activation row ends in a SIMD loop's scalar tail (docs/moe-layer.md)
 MODEL = TINY.replace(expert_ffn_size=32)
+#: (ep_mode, dispatcher) of the runs that add in another order than the one-process run
+OTHER_MODES = (("data", "alltoall"), ("replicated", "allgather"))
 
 
+def _other_modes(rank: int, world: int, cfg: TrainConfig) -> dict:
+    """Each of OTHER_MODES trained from scratch in this process group, as ``train_expert_parallel`` trains."""
+    return {(mode, d): _ep_worker(rank, world, MODEL, TINY_TASK, cfg, torch.float64, mode, d, False)
+            for mode, d in OTHER_MODES}
 
 
 def _losses(r: dict) -> torch.Tensor:
@@ -30,9 +44,10 @@ def test_ep_modes_against_one_process(one_thread):
     assert len(a) == 4 and a[-1] < a[0]
     exact = train_expert_parallel(MODEL, TINY_TASK, cfg, 2, dtype=torch.float64, timeout=TIMEOUT)
     assert torch.equal(_losses(exact), a) and exact["recall"] == one["recall"]
-    for mode, dispatcher in (("data", "alltoall"), ("replicated", "allgather")):
-        r = train_expert_parallel(MODEL, TINY_TASK, cfg, 2, dtype=torch.float64, ep_mode=mode,
-                                  dispatcher=dispatcher, timeout=TIMEOUT)
+    # the other configurations: one spawn runs them in turn (train_expert_parallel's worker, as it calls it)
+    runs = spawn(_other_modes, 2, cfg, backend="gloo", timeout=TIMEOUT, threads=1)[0]
+    assert list(runs) == list(OTHER_MODES)
+    for (mode, dispatcher), r in runs.items():
         torch.testing.assert_close(_losses(r), a, rtol=1e-12, atol=0, msg=f"{mode}/{dispatcher}")
         assert r["recall"] == one["recall"]
 
