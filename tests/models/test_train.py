@@ -45,7 +45,7 @@ def test_ep_modes_against_one_process(one_thread):
     exact = train_expert_parallel(MODEL, TINY_TASK, cfg, 2, dtype=torch.float64, timeout=TIMEOUT)
     assert torch.equal(_losses(exact), a) and exact["recall"] == one["recall"]
     # the other configurations: one spawn runs them in turn (train_expert_parallel's worker, as it calls it)
-    runs = spawn(_other_modes, 2, cfg, backend="gloo", timeout=TIMEOUT, threads=1)[0]
+    runs = spawn(_other_modes, 2, cfg, backend="gloo", timeout=2 * TIMEOUT, threads=1)[0]
     assert list(runs) == list(OTHER_MODES)
     for (mode, dispatcher), r in runs.items():
         torch.testing.assert_close(_losses(r), a, rtol=1e-12, atol=0, msg=f"{mode}/{dispatcher}")
