@@ -99,7 +99,9 @@ class RunSpec:
     resume: str | None = None  #: the checkpoint path to resume from (the CLI picks the newest complete one)
     comm_timeout: float = 300.0
     log_every: int = 0  #: print the loss every N steps on rank 0 (0: never)
-    compile: bool = False  #: train ``torch.compile(model)`` (the MoE layers eager inside it; docs/demo.md)
+    #: train ``torch.compile(model)`` (the MoE layers eager inside it; docs/demo.md); with
+    #: ``activation_checkpointing``, each block compiled inside its checkpoint (:func:`checkpoint_blocks`)
+    compile: bool = False
     #: the forward (and the recall evaluation) under ``torch.autocast`` in this dtype; None: off
     #: (docs/training.md, "Mixed precision")
     autocast: torch.dtype | None = None
@@ -125,12 +127,16 @@ def make_data(spec: RunSpec):
                      vocab_size=spec.model.vocab_size or None)
 
 
-def checkpoint_blocks(model: torch.nn.Module) -> None:
+def checkpoint_blocks(model: torch.nn.Module, compile: bool = False) -> None:
     """Wrap each block of the LM in torch's ``checkpoint_wrapper``, before ``parallelize`` (docs/training.md,
-    "Activation checkpointing and torch.compile"); the state dict's keys stay the plain model's."""
+    "Activation checkpointing and torch.compile"); the state dict's keys stay the plain model's. ``compile``: each
+    block is compiled first (``Module.compile``), then wrapped: a checkpoint around a block that holds an MoE layer
+    makes dynamo run the whole block eagerly, a compiled block inside the checkpoint keeps its attention compiled."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     for i, block in enumerate(model.blocks):
+        if compile:
+            block.compile()
         model.blocks[i] = checkpoint_wrapper(block)
 
 
@@ -167,10 +173,10 @@ def train_run(spec: RunSpec, result: dict, *, device: torch.device | None = None
     model = build_model(model_cfg, cfg.seed, spec.dtype, device, ep_group=ctx.ep_group,
                         dispatcher=layout.dispatcher)
     if spec.activation_checkpointing:
-        checkpoint_blocks(model)
+        checkpoint_blocks(model, compile=spec.compile)
     if world > 1 and not replicated_tokens:  # replicated tokens: the MoE layers on the world group
         _parallelize(model, layout, spec.comm_timeout, ddp_options(spec.dsa_dense_steps, layout.data_parallel))
-    run = torch.compile(model) if spec.compile else model
+    run = torch.compile(model) if spec.compile and not spec.activation_checkpointing else model
     named = list(model.named_parameters())
     replicated = [p for n, p in named if not expert_parameter(n)]
     experts = [p for n, p in named if expert_parameter(n)]
