@@ -40,7 +40,7 @@ wide_packs_in_fp32 = triton_cases.wide_packs_in_fp32
 
 
 
-@pytest.mark.parametrize("kw", [c[1] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("kw", triton_cases.params(CASES, heavy={"limits"}))
 def test_fp32_against_reference(kw):
     _check(_case(**kw), torch.float32)
 
@@ -103,7 +103,7 @@ def test_never_selected_keys_get_zero_grads():
         assert (dk[s] == 0).all() and (dv[s] == 0).all()
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 256])
+@pytest.mark.parametrize("chunk", [pytest.param(1, marks=triton_cases.HEAVY), 3, 256])
 def test_deterministic_is_bitwise_stable_and_chunked(override, chunk):
     """Small chunks split one key block's query list over several programs (workspace + ordered reduction)."""
     override(S, chunk=chunk)
@@ -126,8 +126,9 @@ DQ_ATOMIC_CASES = [
 ]
 
 
-@pytest.mark.parametrize("chunk", [2, 256])
-@pytest.mark.parametrize("kw", [c[1] for c in DQ_ATOMIC_CASES], ids=[c[0] for c in DQ_ATOMIC_CASES])
+@pytest.mark.parametrize("kw, chunk", [
+    pytest.param(kw, chunk, id=f"{name}-{chunk}", marks=[triton_cases.HEAVY] * (chunk == 2 and name != "G16-split"))
+    for chunk in (2, 256) for name, kw in DQ_ATOMIC_CASES])
 def test_dq_atomic_variant(override, monkeypatch, kw, chunk):
     """DQ_ATOMIC: dQ from the dK/dV kernel with atomics (the query-major dQ kernel does not run, D comes from its own
     kernel); the deterministic path ignores the switch."""
@@ -192,7 +193,7 @@ def test_dkv_rows_of_mma_sync_gpus(override, monkeypatch, N1):
             testing.assert_close(g, r, torch.float32, f"{name} (DQ_ATOMIC)")
 
 
-@pytest.mark.parametrize("key_rows", [16, 32, 48])
+@pytest.mark.parametrize("key_rows", [pytest.param(16, marks=triton_cases.HEAVY), 32, 48])
 def test_dkv_key_block_split_over_programs(override, monkeypatch, key_rows):
     """A key block wider than ``DKV_KEY_ROWS`` is split over programs (grid axis 1): bs = 48 (padded to 64) in
     4 or 2 parts, the last part of each block all padding; partial last blocks (S2 = 70, 100); both dK/dV paths,
@@ -428,8 +429,9 @@ def test_public_ops_backend_triton_with_autograd(dtype):
             testing.assert_close(x, r.grad, dtype, f"{name} (grad op, deterministic={det})")
 
 
-@pytest.mark.parametrize("wide", [64, 0], ids=["wide-on", "wide-off"])
-@pytest.mark.parametrize("G", [4, 16], ids=["packed", "one-token"])
+@pytest.mark.parametrize("G, wide", [
+    pytest.param(G, wide, id=f"{gid}-{wid}", marks=[triton_cases.HEAVY] * (G == 16 and wide == 0))
+    for wide, wid in ((64, "wide-on"), (0, "wide-off")) for G, gid in ((4, "packed"), (16, "one-token"))])
 def test_ids_past_the_sequence_unvalidated_are_masked_in_every_kernel(override, G, wide):
     """validate=False with ids past a sequence's blocks (undefined behaviour, but memory-safe) act as empty slots
     (-1) in every kernel: the forward and dQ mask their keys by p < S2, and dK/dV must not add them into the next

@@ -147,7 +147,7 @@ def test_wide_and_ordinary_programs_against_reference(N1, N2, K, P_s, causal):
 
 
 @pytest.mark.parametrize("share", [0.0, float("inf")], ids=["ordinary-only", "wide-only"])
-@pytest.mark.parametrize("kw", [c[1] for c in CASES + PACK_CASES], ids=[c[0] for c in CASES + PACK_CASES])
+@pytest.mark.parametrize("kw", triton_cases.params(CASES + PACK_CASES, heavy={"limits"}))
 def test_wide_or_ordinary_only(override, kw, share):
     """WIDE_SHARE = 0: the ordinary programs run (wide ones only for packs with no block at all); inf: every pack
     runs wide where wide packs are on (not at bs = 128 with Dqk = Dv = 256: WIDE_MAX_BLOCK_VALUES)."""

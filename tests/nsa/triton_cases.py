@@ -13,6 +13,14 @@ from sparseops._varlen import normalize_cu_seqlens
 from sparseops.nsa import reference, triton_impl, triton_plan
 
 DEVICE = "cpu" if _checks.triton_interpret() else "cuda"
+#: a case whose code path a lighter case also takes, at a size that costs the interpreter seconds: deselected in
+#: the newest Triton's interpreter run (``make test-interpret-latest``, README.md)
+HEAVY = pytest.mark.heavy_interpret
+
+
+def params(cases, heavy=()):
+    """``(id, kwargs)`` cases as ``pytest.param``s, those named in ``heavy`` marked :data:`HEAVY`."""
+    return [pytest.param(kw, id=name, marks=[HEAVY] if name in heavy else []) for name, kw in cases]
 #: the NSA Triton backend's tuning knobs
 S = triton_plan.SETTINGS
 
