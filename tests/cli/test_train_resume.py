@@ -86,12 +86,17 @@ def _tree(root: Path) -> list[str]:
      r"--top-k: expected the checkpoint's 2 with --auto-resume \(the run it continues used it; .*\), got 1 "
      r"\(checkpoint '.*ck/step_4'\)"),
     (["--auto-resume", "--save", "{saved}/trunc"], r"--auto-resume: expected '.*trunc/step_2/__0_0.distcp' of at least"),
+    (["--auto-resume", "--save", "{ck}", "--lr", "0.5"],  # check_run's checks, after the data is read
+     r"--lr: expected the checkpoint's 0.01 with --auto-resume \(AdamW's settings"),
+    (["--auto-resume", "--save", "{saved}/tok"], "--data: expected the token file the checkpoint's run trained on with "
+                                                 "--auto-resume, got none"),
     (["--auto-resume", "--resume", "{ck}"], r"--auto-resume: expected no --resume with it \(it resumes from --save "
                                             r"'.*out' when that holds a complete checkpoint, else starts at step 0\), "
                                             r"got --resume '.*ck'"),
 ], ids=["experts", "top-k", "rope", "rope-off", "seed", "dense-steps", "micro-batches", "recall-task", "data-kind", "data-kind-first", "tokens-without-data", "lr", "weight-decay", "save-over-later", "resume-save-over-later", "resume-named-save-over-later",
         "save-a-file", "save-a-file-in-the-way", "json-a-device", "json-a-directory", "steps-before-resumed", "truncated-shard",
-        "empty-metadata", "auto-resume-top-k", "auto-resume-truncated-shard", "auto-resume-and-resume"])
+        "empty-metadata", "auto-resume-top-k", "auto-resume-truncated-shard", "auto-resume-lr",
+        "auto-resume-tokens-without-data", "auto-resume-and-resume"])
 def test_resume_and_outputs_checked_before_any_collective(saved, tmp_path, monkeypatch, capsys, extra, match):
     """A checkpoint of another model, data or optimizer setting, a --save directory whose later checkpoints the
     run would write over (or a later --resume would pick), an output that cannot be written: exit 2 naming the
@@ -211,6 +216,11 @@ def test_a_checkpoint_that_fails_to_read_after_the_launch_checks_exits_1(saved, 
     err = capsys.readouterr().err
     assert f"--resume: the checkpoint {saved / 'two' / 'step_2'} could not be read: rank 0: OSError: [Errno 5]" in err
     assert _json(tmp_path / "r.json")["error"].startswith("--resume: the checkpoint")
+    # the same checkpoint picked by --auto-resume: named with the flag given
+    shutil.copytree(saved / "two", tmp_path / "two")
+    assert main([*ARGV, "--auto-resume", "--save", str(tmp_path / "two")]) == 1
+    assert (f"rank 0: --auto-resume: the checkpoint {tmp_path / 'two' / 'step_2'} could not be read: rank 0: OSError"
+            in capsys.readouterr().err)
 
 
 def test_resume_with_the_flags_left_out_continues_the_checkpoints_run(saved):

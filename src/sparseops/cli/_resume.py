@@ -10,15 +10,15 @@ value is refused (the run would silently compute something else than the run it 
 ``--micro-batches``: a relaunch on fewer ranks raises ``M`` to keep each rank's memory, so a resume may change it
 (the run uses the new ``M`` from the resumed step on, rank 0 says so once, its checkpoints record it). Checkpoints
 written before the settings were recorded carry none: only their shapes are checked. ``--auto-resume`` resumes
-from the ``--save`` DIR when it holds a complete checkpoint, with the same checks (:func:`resume_source`; its
-refusals name ``--auto-resume``: :func:`as_given`).
+from the ``--save`` DIR when it holds a complete checkpoint, with the same checks (:func:`resume_source`). Every
+message about the resumed checkpoint names the flag it came from (``--resume`` or ``--auto-resume``), passed down
+as ``flag``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
 from pathlib import Path
 
 #: ``train.settings.<flag>``: the entries' prefix in a checkpoint
@@ -61,25 +61,26 @@ LEFT_OUT = _LeftOut()
 
 
 def take_saved(args: argparse.Namespace, saved: dict[str, object], flags: dict[str, str], path: str,
-               bad: type[Exception], nullable: frozenset[str] = frozenset(),
+               bad: type[Exception], *, flag: str, nullable: frozenset[str] = frozenset(),
                why: str = "the run it continues used it; leave the flag out to keep it") -> None:
     """Fill ``args``' flags left out with the checkpoint's values ``saved`` (``{flag: value}``); a flag given with
-    another value raises ``bad`` naming it, with ``why`` it is refused. Left out: None, or :data:`LEFT_OUT` for the
-    dests ``nullable`` (flags that may be given as None, whose default is :data:`LEFT_OUT`)."""
-    for flag, dest in flags.items():
-        if flag not in saved:
+    another value raises ``bad`` naming it, with ``why`` it is refused and the ``flag`` that resumes (``--resume``
+    or ``--auto-resume``). Left out: None, or :data:`LEFT_OUT` for the dests ``nullable`` (flags that may be given
+    as None, whose default is :data:`LEFT_OUT`)."""
+    for name, dest in flags.items():
+        if name not in saved:
             continue
-        given, value = getattr(args, dest), saved[flag]
+        given, value = getattr(args, dest), saved[name]
         if given is LEFT_OUT or (given is None and dest not in nullable):
             setattr(args, dest, value)
         elif given != value:
-            raise bad(f"--{flag}: expected the checkpoint's {value!r} with --resume ({why}), got {given!r} "
+            raise bad(f"--{name}: expected the checkpoint's {value!r} with {flag} ({why}), got {given!r} "
                       f"(checkpoint {path!r})")
 
 
-def read_values(path: str, keys: list[str], bad: type[Exception]) -> dict:
-    """``training.checkpoint.read_values`` of the ``--resume`` checkpoint (its files checked by
-    :func:`take_settings` first): entries that do not read raise ``bad``."""
+def read_values(path: str, keys: list[str], bad: type[Exception], flag: str) -> dict:
+    """``training.checkpoint.read_values`` of the checkpoint resumed by ``flag`` (its files checked by
+    :func:`take_settings` first): entries that do not read raise ``bad`` naming ``flag``."""
     from ..training import checkpoint
 
     try:
@@ -87,57 +88,59 @@ def read_values(path: str, keys: list[str], bad: type[Exception]) -> dict:
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        raise bad(f"--resume: expected a readable checkpoint, got {path!r}, whose entries do not read "
+        raise bad(f"{flag}: expected a readable checkpoint, got {path!r}, whose entries do not read "
                   f"({type(exc).__name__}): a damaged checkpoint") from None
 
 
 def take_settings(args: argparse.Namespace, path: str, model_fields: tuple[str, ...], recall: dict[str, str],
-                  bad: type[Exception]) -> int | None:
+                  bad: type[Exception], flag: str) -> int | None:
     """The flags left out take the checkpoint's recorded values; one given with another value raises ``bad``, but
     ``--micro-batches``, which may change. The first look at the checkpoint: ``read_metadata``'s checks (a
-    ``.metadata`` that reads, shards that hold its bytes) make a damaged one ``bad`` naming the file. Returns the
+    ``.metadata`` that reads, shards that hold its bytes) make a damaged one ``bad`` naming the file. ``flag``:
+    the one the checkpoint came from (``--resume`` or ``--auto-resume``), named in the messages. Returns the
     checkpoint's ``M`` (None: not recorded)."""
     from ..distributed.checkpoint import read_metadata
 
     try:
         read_metadata(path)
     except ValueError as exc:
-        raise bad(f"--resume: {str(exc).removeprefix('checkpoint_id: ')}") from None
+        raise bad(f"{flag}: {str(exc).removeprefix('checkpoint_id: ')}") from None
     flags = recorded_flags(model_fields, recall)
     if args.data is not None:  # a token file: the recall task's settings are not this run's (its kind is checked)
         flags = {f: d for f, d in flags.items() if not f.startswith("recall-")}
-    values = read_values(path, [PREFIX + f for f in flags] + [DATA_KIND], bad)
-    _check_data_kind(values.get(DATA_KIND), args.data, path, bad)
+    values = read_values(path, [PREFIX + f for f in flags] + [DATA_KIND], bad, flag)
+    _check_data_kind(values.get(DATA_KIND), args.data, path, bad, flag)
     saved = {k.removeprefix(PREFIX): v for k, v in values.items() if k.startswith(PREFIX)}
     micro = saved.pop("micro-batches", None)
     if args.micro_batches is None:
         args.micro_batches = micro
-    take_saved(args, saved, flags, path, bad, nullable=frozenset({"model_rope_theta"}))
+    take_saved(args, saved, flags, path, bad, nullable=frozenset({"model_rope_theta"}), flag=flag)
     return micro
 
 
-def _check_data_kind(kind: object, data: str | None, path: str, bad: type[Exception]) -> None:
+def _check_data_kind(kind: object, data: str | None, path: str, bad: type[Exception], flag: str) -> None:
     """``--data`` against the checkpoint's kind of data (``train.data.kind``: ``"tokens"`` or ``"recall"``; None:
     not a ``sparseops train`` checkpoint, refused later): checked before the recorded settings, whose refusals
     (the recall task's ``--seq-len``, the vocabulary's shape) would name another flag than the one left out."""
     if kind == "tokens" and data is None:
-        raise bad(f"--data: expected the token file the checkpoint's run trained on with --resume, got none (the "
+        raise bad(f"--data: expected the token file the checkpoint's run trained on with {flag}, got none (the "
                   f"recall task; checkpoint {path!r})")
     if kind == "recall" and data is not None:
-        raise bad(f"--data: expected no --data with --resume of a checkpoint of the recall task, got {data!r} "
+        raise bad(f"--data: expected no --data with {flag} of a checkpoint of the recall task, got {data!r} "
                   f"(checkpoint {path!r})")
 
 
-def micro_batches_problem(batch: int, ranks: int, micro: int, given: int | None, saved: int | None) -> str:
+def micro_batches_problem(batch: int, ranks: int, micro: int, given: int | None, saved: int | None,
+                          flag: str | None) -> str:
     """The refusal of ``M = micro`` that does not divide the ``batch / ranks`` sequences of each data-parallel rank:
-    ``given`` is the flag (None: left out), ``saved`` the resumed checkpoint's ``M`` (None: no resume, or not
-    recorded)."""
+    ``given`` is the flag (None: left out), ``saved`` the checkpoint's ``M`` resumed by ``flag`` (None: no resume,
+    or not recorded)."""
     problem = (f"--micro-batches: expected a divisor of --global-batch / the data-parallel ranks = {batch} / {ranks} "
                f"= {batch // ranks}, got {micro}")
     if saved is None or given == saved:
         return problem
     if given is None:
-        return f"{problem} (the checkpoint's, which --resume keeps: give --micro-batches to change it)"
+        return f"{problem} (the checkpoint's, which {flag} keeps: give --micro-batches to change it)"
     return f"{problem} (the checkpoint's was {saved})"
 
 
@@ -156,16 +159,17 @@ def micro_batches_notice(spec) -> str | None:
             f"{spec.resumed_micro_batches} before: {what}; this run's checkpoints record {spec.micro_batches}")
 
 
-def resume_source(args: argparse.Namespace, bad: type[Exception]) -> str | None:
-    """The directory (or ``DIR/step_<s>``) the run resumes from: ``--resume``'s, or under ``--auto-resume`` the
-    ``--save`` DIR when it holds a complete checkpoint; None: the run starts at step 0. Decided from the files
-    alone, before any collective: every rank of a launch sees the same (docs/training.md, "Faults").
+def resume_source(args: argparse.Namespace, bad: type[Exception]) -> tuple[str, str] | None:
+    """``(source, flag)``: the directory (or ``DIR/step_<s>``) the run resumes from and the flag that named it,
+    which the messages about the checkpoint name: ``--resume``'s, or under ``--auto-resume`` the ``--save`` DIR
+    when it holds a complete checkpoint; None: the run starts at step 0. Decided from the files alone, before any
+    collective: every rank of a launch sees the same (docs/training.md, "Faults").
 
     Raises:
         bad: ``--auto-resume`` without ``--save``, or with ``--resume``.
     """
     if not args.auto_resume:
-        return args.resume
+        return None if args.resume is None else (args.resume, "--resume")
     if args.save is None:
         raise bad("--auto-resume: expected --save DIR with it (the run resumes from DIR's newest complete "
                   "checkpoint when it holds one), got no --save")
@@ -174,15 +178,7 @@ def resume_source(args: argparse.Namespace, bad: type[Exception]) -> str | None:
                   f"holds a complete checkpoint, else starts at step 0), got --resume {args.resume!r}")
     from ..training import checkpoint
 
-    return args.save if checkpoint.scan(args.save)[0] else None
-
-
-def as_given(message: str, args: argparse.Namespace) -> str:
-    """A refusal of the resume named with the flag given: under ``--auto-resume`` (``--resume`` refused with it)
-    the checks of ``--resume`` name ``--auto-resume``."""
-    if not getattr(args, "auto_resume", False) or args.resume is not None:
-        return message
-    return re.sub(r"(?<![\w-])--resume\b", "--auto-resume", message)
+    return (args.save, "--auto-resume") if checkpoint.scan(args.save)[0] else None
 
 
 def auto_resume_notice(args: argparse.Namespace, spec) -> str | None:

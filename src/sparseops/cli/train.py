@@ -217,13 +217,14 @@ def build_spec(args: argparse.Namespace, world: int):
     if args.device == "cuda" and not torch.cuda.is_available():
         raise _Bad("--device: expected a machine where torch sees CUDA for 'cuda', got none "
                    "(torch.cuda.is_available() is False)")
-    resume, resumed, given_micro, saved_micro = None, 0, args.micro_batches, None
+    resume, resumed, given_micro, saved_micro, flag = None, 0, args.micro_batches, None, "--resume"
     if (source := _resume.resume_source(args, _Bad)) is not None:
+        source, flag = source  # the flag it came from, named in every message about the checkpoint
         try:
-            resumed, resume = checkpoint.newest_complete(source)
+            resumed, resume = checkpoint.newest_complete(source, flag)
         except ValueError as exc:
             raise _Bad(str(exc)) from None
-        saved_micro = _resume.take_settings(args, os.fspath(resume), _MODEL_INT + _MODEL_FLOAT, _RECALL, _Bad)
+        saved_micro = _resume.take_settings(args, os.fspath(resume), _MODEL_INT + _MODEL_FLOAT, _RECALL, _Bad, flag)
     task, model, optim = demo_setup()
     given = {k: getattr(args, f.replace("-", "_")) for k, f in _OPTIM.items()}
     optim = dataclasses.replace(optim, **{k: v for k, v in given.items() if v is not None})
@@ -242,7 +243,8 @@ def build_spec(args: argparse.Namespace, world: int):
                             "none" if args.replicated_tokens else "ddp" if args.ddp else "fsdp", args.dispatcher)
     micro = args.micro_batches or 1
     if optim.batch_size % (micro * layout.data_ranks):  # each rank takes an equal share of each micro-batch
-        raise _Bad(_resume.micro_batches_problem(optim.batch_size, layout.data_ranks, micro, given_micro, saved_micro))
+        raise _Bad(_resume.micro_batches_problem(optim.batch_size, layout.data_ranks, micro, given_micro, saved_micro,
+                                                 flag))
     seq_len = args.seq_len if args.seq_len is not None else task.seq_len
     if args.data is None:
         changes = {n: getattr(args, f"recall_{n}") for n in _RECALL if getattr(args, f"recall_{n}") is not None}
@@ -278,7 +280,7 @@ def build_spec(args: argparse.Namespace, world: int):
                        f"{', '.join(blocked)}, not a directory")
     spec = RunSpec(model=model, optim=optim, task=task, data_path=args.data, data_dtype=args.data_dtype,
                    seq_len=seq_len, dtype=getattr(torch, args.dtype), layout=layout, save_dir=args.save,
-                   save_every=args.save_every, resume=resume, comm_timeout=args.comm_timeout,
+                   save_every=args.save_every, resume=resume, resume_flag=flag, comm_timeout=args.comm_timeout,
                    log_every=args.log_every, compile=args.compile, dsa_dense_steps=dense_steps,
                    micro_batches=micro, resumed_micro_batches=saved_micro if saved_micro != micro else None,
                    activation_checkpointing=args.activation_checkpointing,
@@ -324,23 +326,23 @@ def check_run(spec, data, args: argparse.Namespace):
     _check_memory(spec, model, args, data)
     if spec.resume is None:
         return spec
-    path = os.fspath(spec.resume)
+    path, flag = os.fspath(spec.resume), spec.resume_flag
     try:
         check_compatible({"model": model.state_dict()}, path)
     except ValueError as exc:
-        raise _Bad(f"--resume: {str(exc).removeprefix('checkpoint_id: ')}") from None
+        raise _Bad(f"{flag}: {str(exc).removeprefix('checkpoint_id: ')}") from None
     groups = [f"optim.param_groups.0.{k}" for k in ("initial_lr", "weight_decay")]
     saved = _resume.read_values(path, [f"train.data.{k}" for k in ("kind", "num_windows", "seq_len")] + groups,
-                                _Bad)
+                                _Bad, flag)
     if "train.data.kind" not in saved:
-        raise _Bad(f"--resume: expected a checkpoint of sparseops train (with train.data.kind), got {path!r}")
+        raise _Bad(f"{flag}: expected a checkpoint of sparseops train (with train.data.kind), got {path!r}")
     try:
         data.check_state({k.rsplit(".", 1)[1]: v for k, v in saved.items() if k.startswith("train.data.")})
     except ValueError as exc:
-        raise _Bad(f"--resume: {exc} in {path!r} (--data, --seq-len)") from None
+        raise _Bad(f"{flag}: {exc} in {path!r} (--data, --seq-len)") from None
     optim = {"lr": "lr", "weight-decay": "weight_decay"}
-    kept = {flag: saved[key] for flag, key in zip(optim, groups) if key in saved}
-    _resume.take_saved(args, kept, optim, path, _Bad,
+    kept = {name: saved[key] for name, key in zip(optim, groups) if key in saved}
+    _resume.take_saved(args, kept, optim, path, _Bad, flag=flag,
                        why="AdamW's settings come back from the checkpoint; leave the flag out to keep them")
     return dataclasses.replace(spec, optim=dataclasses.replace(spec.optim, **{optim[f]: v for f, v in kept.items()}))
 
@@ -418,7 +420,7 @@ def run(args: argparse.Namespace) -> int:
         check_outputs(args, rank)
     except (_Bad, ValueError) as exc:
         if rank == 0:
-            print(f"sparseops train: {_resume.as_given(str(exc), args)}", file=sys.stderr)
+            print(f"sparseops train: {exc}", file=sys.stderr)
         return 2
     import datetime
 

@@ -222,8 +222,13 @@ def _saved_rng_ranks(path: Path) -> set[int]:
     return {int(k[len(prefix):]) for k in keys if k.startswith(prefix)}
 
 
-def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: TrainState) -> int:
-    """Restore everything from the checkpoint ``path`` at the current layout; returns the step it holds."""
+def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: TrainState,
+         flag: str = "--resume") -> int:
+    """Restore everything from the checkpoint ``path`` at the current layout; returns the step it holds.
+
+    Raises:
+        LoadFailed: a file of ``path`` that does not read, named with ``flag`` (the one that resumes from it).
+    """
     from ..distributed.checkpoint import check_compatible
 
     train_state.saved_ranks = _saved_rng_ranks(path)
@@ -236,7 +241,7 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, t
         with _one_process_quiet():
             dcp.load(state, checkpoint_id=path)
     except (CheckpointException, OSError, EOFError) as exc:  # on every rank (DCP gathers the read results)
-        raise LoadFailed(f"--resume: the checkpoint {os.fspath(path)} could not be read: {_first_cause(exc)}; a "
+        raise LoadFailed(f"{flag}: the checkpoint {os.fspath(path)} could not be read: {_first_cause(exc)}; a "
                          "damaged checkpoint (resume from an earlier one: --resume DIR/step_<s>)") from None
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])

@@ -97,6 +97,8 @@ class RunSpec:
     save_dir: str | None = None
     save_every: int | None = None
     resume: str | None = None  #: the checkpoint path to resume from (the CLI picks the newest complete one)
+    #: the flag ``resume`` came from (``--resume`` or ``--auto-resume``), which the messages about it name
+    resume_flag: str = "--resume"
     comm_timeout: float = 300.0
     log_every: int = 0  #: print the loss every N steps on rank 0 (0: never)
     #: train ``torch.compile(model)`` (the MoE layers eager inside it; docs/demo.md); with
@@ -187,7 +189,7 @@ def train_run(spec: RunSpec, result: dict, *, device: torch.device | None = None
     result.update(steps=[], loss=[], resumed_from=None, checkpoints=[], recall=None, seconds=0.0)
     if spec.resume is not None:
         stages.before_load(spec.resume)
-        result["resumed_from"] = checkpoint.load(spec.resume, model, opt, state)
+        result["resumed_from"] = checkpoint.load(spec.resume, model, opt, state, flag=spec.resume_flag)
         _schedule_lr(opt, sched)
     fault = fault_from_env()
     start = time.perf_counter()
