@@ -28,9 +28,9 @@ from ..models.test_lm import TINY, TINY_TASK
 MODEL = TINY.replace(expert_ffn_size=32)
 CFG = TrainConfig(steps=4, batch_size=4, lr=1e-2, warmup=1, eval_sequences=4, eval_batch=4)
 ARGV = ["train", *config_argv(TINY_TASK, MODEL, CFG), "--threads", "1", "--log-every", "1"]
-#: ARGV without the recall task's flags, for --data runs (which refuse them)
+#: ARGV without the recall task's flags and its evaluation's, for --data runs (which refuse them)
 _PAIRS = list(zip(ARGV[1::2], ARGV[2::2]))
-ARGV_DATA = ["train", *(x for f, v in _PAIRS if not f.startswith("--recall-") and f != "--eval-sequences" for x in (f, v))]
+ARGV_DATA = ["train", *(x for f, v in _PAIRS if not f.startswith(("--recall-", "--eval-")) for x in (f, v))]
 
 
 pytestmark = pytest.mark.usefixtures("eager_cpu_kernels")
@@ -255,6 +255,9 @@ def test_config_argv_spells_out_every_setting():
     (1, ["--data", "/dev/null"], "--data: expected a token file, got '/dev/null' .not a regular file."),
     (1, ["--data", "/dev/null", "--recall-pairs", "3", "--eval-sequences", "2"],
      "--recall-pairs: expected no recall-task flag with --data .*got --recall-pairs --eval-sequences"),
+    (1, ["--data", "/dev/null", "--eval-sequences", "0", "--eval-batch", "2"],  # --eval-sequences 0: no evaluation
+     "--eval-batch: expected no recall-task flag with --data .next-token prediction on the file: no recall task, no "
+     "recall evaluation., got --eval-batch$"),
     pytest.param(1, ["--device", "cuda"], "--device: expected a machine where torch sees CUDA for 'cuda', got none",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")),
     (2, ["--replicated-tokens", "--ep", "1", "--dp-shard", "2"], "--replicated-tokens: expected no --dp-replicate"),
@@ -279,7 +282,7 @@ def test_config_argv_spells_out_every_setting():
     (1, ["--micro-batches", "0"], "--micro-batches: expected an int >= 1, got 0"),
 ], ids=["world-mismatch", "replicate-not-dividing", "ep-not-dividing-shard", "ep-not-dividing-experts",
         "batch-not-dividing", "resume-nothing", "save-every-alone", "no-steps", "timeout-under-a-ms", "timeout-overflowing", "task", "no-file", "data-a-device",
-        "recall-flags-with-data", "no-cuda",
+        "recall-flags-with-data", "eval-batch-with-data", "no-cuda",
         "replicated-with-dp", "replicated-ep-1", "negative-clip", "negative-decay", "lr-past-float32", "decay-past-float32", "model", "seed-past-torch",
         "autocast-float64", "dense-steps-nsa", "dense-steps-negative", "dense-steps-no-indexer-loss", "micro-batches-not-dividing", "replicated-micro-batches",
         "no-micro-batches"])

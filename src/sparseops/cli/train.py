@@ -75,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--clip", type=float, default=None, help="global gradient-norm clip")
     g.add_argument("--eval-sequences", type=int, default=None, metavar="N",
                    help="held-out recall sequences evaluated at the end (0: none; the recall task only)")
-    g.add_argument("--eval-batch", type=int, default=None, metavar="N", help="sequences per evaluation batch")
+    g.add_argument("--eval-batch", type=int, default=None, metavar="N",
+                   help="sequences per evaluation batch (the recall task only)")
     g.add_argument("--threads", type=int, default=None, metavar="N", help="torch threads per process")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: CUDA (rank LOCAL_RANK's device, NCCL + gloo) when present, else the CPU (gloo)")
@@ -208,12 +209,12 @@ def build_spec(args: argparse.Namespace, world: int):
         raise _Bad("--save-every: expected --save DIR with it, got no --save")
     if args.vocab_size is not None and args.data is None:
         raise _Bad("--vocab-size: expected --data PATH with it (the recall task sets its vocabulary)")
-    if args.data is not None:  # the recall task's flags would be silently ignored
+    if args.data is not None:  # the recall task's flags, and its evaluation's, would be silently ignored
         recall = [f"--recall-{f}" for n, f in _RECALL.items() if getattr(args, f"recall_{n}") is not None]
-        recall += ["--eval-sequences"] * bool(args.eval_sequences)
+        recall += ["--eval-sequences"] * bool(args.eval_sequences) + ["--eval-batch"] * (args.eval_batch is not None)
         if recall:
-            raise _Bad(f"{recall[0]}: expected no recall-task flag with --data (next-token prediction on the file), "
-                       f"got {' '.join(recall)}")
+            raise _Bad(f"{recall[0]}: expected no recall-task flag with --data (next-token prediction on the file: no "
+                       f"recall task, no recall evaluation), got {' '.join(recall)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise _Bad("--device: expected a machine where torch sees CUDA for 'cuda', got none "
                    "(torch.cuda.is_available() is False)")
