@@ -255,6 +255,8 @@ def test_config_argv_spells_out_every_setting():
     (1, ["--data", "/dev/null"], "--data: expected a token file, got '/dev/null' .not a regular file."),
     (1, ["--data", "/dev/null", "--recall-pairs", "3", "--eval-sequences", "2"],
      "--recall-pairs: expected no recall-task flag with --data .*got --recall-pairs --eval-sequences"),
+    (1, ["--data-dtype", "uint32"], "--data-dtype: expected --data PATH with it .the recall task reads no file., got "
+                                    "--data-dtype uint32"),
     (1, ["--data", "/dev/null", "--eval-sequences", "0", "--eval-batch", "2"],  # --eval-sequences 0: no evaluation
      "--eval-batch: expected no recall-task flag with --data .next-token prediction on the file: no recall task, no "
      "recall evaluation., got --eval-batch$"),
@@ -282,7 +284,7 @@ def test_config_argv_spells_out_every_setting():
     (1, ["--micro-batches", "0"], "--micro-batches: expected an int >= 1, got 0"),
 ], ids=["world-mismatch", "replicate-not-dividing", "ep-not-dividing-shard", "ep-not-dividing-experts",
         "batch-not-dividing", "resume-nothing", "save-every-alone", "no-steps", "timeout-under-a-ms", "timeout-overflowing", "task", "no-file", "data-a-device",
-        "recall-flags-with-data", "eval-batch-with-data", "no-cuda",
+        "recall-flags-with-data", "data-dtype-without-data", "eval-batch-with-data", "no-cuda",
         "replicated-with-dp", "replicated-ep-1", "negative-clip", "negative-decay", "lr-past-float32", "decay-past-float32", "model", "seed-past-torch",
         "autocast-float64", "dense-steps-nsa", "dense-steps-negative", "dense-steps-no-indexer-loss", "micro-batches-not-dividing", "replicated-micro-batches",
         "no-micro-batches"])

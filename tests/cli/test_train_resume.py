@@ -22,14 +22,17 @@ pytestmark = pytest.mark.usefixtures("eager_cpu_kernels")
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """A one-process run's checkpoints ``ck/step_2`` and ``ck/step_4``, ``two/step_2`` alone, and a token file."""
+    """A one-process run's checkpoints ``ck/step_2`` and ``ck/step_4``, ``two/step_2`` alone, a token file ``t.bin``
+    (uint16) and the checkpoint ``tok/step_1`` of a run on ``t32.bin``, the same ids in uint32."""
     root = tmp_path_factory.mktemp("saved")
     assert main_one_thread([*ARGV, "--save", str(root / "ck"), "--save-every", "2"]) == 0
     (root / "two").mkdir()
     shutil.copytree(root / "ck" / "step_2", root / "two" / "step_2")
-    (torch.arange(4 * 81 * 3) % 24).to(torch.uint16).numpy().tofile(root / "t.bin")  # the recall task's vocabulary
-    assert main_one_thread([*ARGV_DATA, "--data", str(root / "t.bin"), "--seq-len", "32", "--steps", "1", "--save",
-                            str(root / "tok")]) == 0
+    ids = torch.arange(4 * 81 * 3) % 24  # the recall task's vocabulary
+    ids.to(torch.uint16).numpy().tofile(root / "t.bin")
+    ids.numpy().astype("uint32").tofile(root / "t32.bin")  # read as uint16: the same vocabulary, twice the windows
+    assert main_one_thread([*ARGV_DATA, "--data", str(root / "t32.bin"), "--data-dtype", "uint32", "--seq-len", "32",
+                            "--steps", "1", "--save", str(root / "tok")]) == 0
     for name in ("trunc", "empty"):  # damaged copies: a truncated shard, an empty .metadata
         shutil.copytree(root / "ck" / "step_2", root / name / "step_2")
     with open(root / "trunc" / "step_2" / "__0_0.distcp", "r+b") as f:
@@ -252,6 +255,31 @@ def test_checkpoints_without_recorded_settings_are_checked_by_shape(saved, tmp_p
     spec = build_spec(args, 1)
     with pytest.raises(_Bad, match=r"--resume: expected 'model.embed.weight' of shape \[24, 32\]"):
         check_run(spec, make_data(spec), args)
+
+
+def test_a_token_files_dtype_is_recorded(saved, tmp_path):
+    """The file records no dtype: the checkpoint records --data-dtype. Left out, a resume takes it (uint32, where
+    the default uint16 would read the same bytes as other ids: here the same vocabulary, twice the windows); given
+    with another value, it is refused naming it; a checkpoint without it (written before it was recorded) takes
+    the flag's, default uint16."""
+    from sparseops.cli import build_parser
+    from sparseops.cli.train import _Bad, build_spec, check_run
+    from sparseops.training.loop import make_data
+
+    def spec(*extra):
+        args = build_parser().parse_args([*ARGV_DATA, "--data", str(saved / "t32.bin"), "--seq-len", "32", *extra])
+        return args, build_spec(args, 1)
+
+    args, resumed = spec("--resume", str(saved / "tok"))
+    assert resumed.data_dtype == "uint32" and resumed.settings["data-dtype"] == "uint32"
+    check_run(resumed, make_data(resumed), args)  # the checkpoint's windows
+    with pytest.raises(_Bad, match=r"--data-dtype: expected the checkpoint's 'uint32' with --resume \(the run it "
+                                   r"continues used it; leave the flag out to keep it\), got 'uint16' \(checkpoint "):
+        spec("--resume", str(saved / "tok"), "--data-dtype", "uint16")
+    old = tmp_path / "old"
+    _strip_settings(saved / "tok" / "step_1", old / "step_1", tmp_path)
+    assert spec("--resume", str(old))[1].data_dtype == "uint16"
+    assert spec("--resume", str(old), "--data-dtype", "uint32")[1].data_dtype == "uint32"
 
 
 def _strip_settings(src: Path, dst: Path, tmp_path: Path) -> None:

@@ -2,17 +2,17 @@
 "Checkpoints and resume").
 
 A checkpoint holds the flags that define what the run computes beyond the tensors' shapes: the model (every
-``LMConfig`` flag and ``--attention``), ``--dsa-dense-steps`` (the stage of each step), the recall task,
-``--seq-len``, ``--seed`` (the token file's order, the recall evaluation), ``--global-batch`` (the token file's
-position is counted in steps) and ``--micro-batches`` (the aux loss is the mean of the micro-batches'), under
-``train.settings.<flag>``. On ``--resume`` a flag left out takes the checkpoint's value; one given with another
-value is refused (the run would silently compute something else than the run it continues), but for
-``--micro-batches``: a relaunch on fewer ranks raises ``M`` to keep each rank's memory, so a resume may change it
-(the run uses the new ``M`` from the resumed step on, rank 0 says so once, its checkpoints record it). Checkpoints
-written before the settings were recorded carry none: only their shapes are checked. ``--auto-resume`` resumes
-from the ``--save`` DIR when it holds a complete checkpoint, with the same checks (:func:`resume_source`). Every
-message about the resumed checkpoint names the flag it came from (``--resume`` or ``--auto-resume``), passed down
-as ``flag``.
+``LMConfig`` flag and ``--attention``), ``--dsa-dense-steps`` (the stage of each step), the recall task or the token
+file's ``--data-dtype`` (how its bytes are read: the file records none), ``--seq-len``, ``--seed`` (the token file's
+order, the recall evaluation), ``--global-batch`` (the token file's position is counted in steps) and
+``--micro-batches`` (the aux loss is the mean of the micro-batches'), under ``train.settings.<flag>``. On
+``--resume`` a flag left out takes the checkpoint's value; one given with another value is refused (the run would
+silently compute something else than the run it continues), but for ``--micro-batches``: a relaunch on fewer ranks
+raises ``M`` to keep each rank's memory, so a resume may change it (the run uses the new ``M`` from the resumed step
+on, rank 0 says so once, its checkpoints record it). Checkpoints written before the settings were recorded carry
+none: only their shapes are checked. ``--auto-resume`` resumes from the ``--save`` DIR when it holds a complete
+checkpoint, with the same checks (:func:`resume_source`). Every message about the resumed checkpoint names the flag
+it came from (``--resume`` or ``--auto-resume``), passed down as ``flag``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def recorded_flags(model_fields: tuple[str, ...], recall: dict[str, str]) -> dic
     flags["attention"] = "model_attention"
     flags["dsa-dense-steps"] = "dsa_dense_steps"
     flags.update({f"recall-{flag}": f"recall_{name}" for name, flag in recall.items()})
-    flags.update({"seq-len": "seq_len", "seed": "seed", "global-batch": "global_batch",
+    flags.update({"data-dtype": "data_dtype", "seq-len": "seq_len", "seed": "seed", "global-batch": "global_batch",
                   "micro-batches": "micro_batches"})
     return flags
 
@@ -45,6 +45,8 @@ def settings(spec, model_fields: tuple[str, ...], recall: dict[str, str]) -> dic
     out["dsa-dense-steps"] = spec.dsa_dense_steps
     if spec.task is not None:
         out.update({f"recall-{flag}": getattr(spec.task, name) for name, flag in recall.items()})
+    if spec.data_path is not None:
+        out["data-dtype"] = spec.data_dtype
     out["seq-len"] = spec.task.seq_len if spec.task is not None else spec.seq_len
     out.update({"seed": spec.optim.seed, "global-batch": spec.optim.batch_size,
                 "micro-batches": spec.micro_batches})
@@ -106,8 +108,10 @@ def take_settings(args: argparse.Namespace, path: str, model_fields: tuple[str, 
     except ValueError as exc:
         raise bad(f"{flag}: {str(exc).removeprefix('checkpoint_id: ')}") from None
     flags = recorded_flags(model_fields, recall)
-    if args.data is not None:  # a token file: the recall task's settings are not this run's (its kind is checked)
-        flags = {f: d for f, d in flags.items() if not f.startswith("recall-")}
+    # a token file: the recall task's settings are not this run's; the recall task: the token file's are not (its
+    # kind is checked)
+    drop = ("recall-",) if args.data is not None else ("data-",)
+    flags = {f: d for f, d in flags.items() if not f.startswith(drop)}
     values = read_values(path, [PREFIX + f for f in flags] + [DATA_KIND], bad, flag)
     _check_data_kind(values.get(DATA_KIND), args.data, path, bad, flag)
     saved = {k.removeprefix(PREFIX): v for k, v in values.items() if k.startswith(PREFIX)}

@@ -88,7 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data")
     g.add_argument("--data", metavar="PATH", default=None,
                    help="a flat file of token ids (next-token prediction); default: the recall task")
-    g.add_argument("--data-dtype", choices=("uint16", "uint32"), default="uint16")
+    g.add_argument("--data-dtype", choices=("uint16", "uint32"), default=None,
+                   help="of the token file's ids, native byte order (default uint16; with --resume the checkpoint's)")
     g.add_argument("--vocab-size", type=int, default=None, help="with --data (default: the largest id + 1)")
     for name, flag in _RECALL.items():
         g.add_argument(f"--recall-{flag}", dest=f"recall_{name}", type=int, default=None, metavar="N",
@@ -209,6 +210,9 @@ def build_spec(args: argparse.Namespace, world: int):
         raise _Bad("--save-every: expected --save DIR with it, got no --save")
     if args.vocab_size is not None and args.data is None:
         raise _Bad("--vocab-size: expected --data PATH with it (the recall task sets its vocabulary)")
+    if args.data_dtype is not None and args.data is None:
+        raise _Bad(f"--data-dtype: expected --data PATH with it (the recall task reads no file), got --data-dtype "
+                   f"{args.data_dtype}")
     if args.data is not None:  # the recall task's flags, and its evaluation's, would be silently ignored
         recall = [f"--recall-{f}" for n, f in _RECALL.items() if getattr(args, f"recall_{n}") is not None]
         recall += ["--eval-sequences"] * bool(args.eval_sequences) + ["--eval-batch"] * (args.eval_batch is not None)
@@ -279,7 +283,7 @@ def build_spec(args: argparse.Namespace, world: int):
         if blocked:  # a checkpoint's save there would fail after the steps before it
             raise _Bad(f"--save: expected only checkpoint directories named step_<s> in {args.save!r}, got "
                        f"{', '.join(blocked)}, not a directory")
-    spec = RunSpec(model=model, optim=optim, task=task, data_path=args.data, data_dtype=args.data_dtype,
+    spec = RunSpec(model=model, optim=optim, task=task, data_path=args.data, data_dtype=args.data_dtype or "uint16",
                    seq_len=seq_len, dtype=getattr(torch, args.dtype), layout=layout, save_dir=args.save,
                    save_every=args.save_every, resume=resume, resume_flag=flag, comm_timeout=args.comm_timeout,
                    log_every=args.log_every, compile=args.compile, dsa_dense_steps=dense_steps,
@@ -366,7 +370,7 @@ def _check_memory(spec, model, args: argparse.Namespace, data) -> None:
         raise _Bad(f"--vocab-size: expected a vocabulary the model can hold, got {args.vocab_size}: {gib}")
     if args.data is not None:
         raise _Bad(f"--data: expected token ids that make a vocabulary the model can hold, got a largest id of "
-                   f"{data.vocab_size - 1} (--data-dtype {args.data_dtype}): {gib}; a file written with another "
+                   f"{data.vocab_size - 1} (--data-dtype {spec.data_dtype}): {gib}; a file written with another "
                    "--data-dtype?")
     raise _Bad(f"the model (--hidden-size ... flags): expected parameters that fit in memory, got {gib}")
 
