@@ -357,3 +357,33 @@ def test_a_step_out_of_memory_stops_the_run_with_a_message(tmp_path, monkeypatch
     monkeypatch.setattr(loop, "_forward", lambda *a: forward(*a, cuda=True))
     assert main([*ARGV, "--steps", "2"]) == 1
     assert "stopped at step 1: OutOfMemoryError on rank 0: CUDA out of memory" in capsys.readouterr().err
+
+
+def test_an_evaluation_out_of_memory_stops_the_run_with_a_message(tmp_path, monkeypatch, capsys, one_thread):
+    """An allocation that fails in the recall evaluation at the end: exit 1 naming the evaluation, what to shrink
+    (--eval-batch) and the checkpoint that holds the trained model, the JSON written with the steps' losses, not
+    torch's traceback; the resume the message names evaluates that model at a smaller --eval-batch, training
+    nothing."""
+    from sparseops.training import loop
+
+    real = loop.recall
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+
+    monkeypatch.setattr(loop, "recall", oom)
+    ck, last = tmp_path / "ck", tmp_path / "ck" / "step_2"
+    assert main([*ARGV, "--steps", "2", "--save", str(ck), "--json", str(tmp_path / "r.json")]) == 1
+    err = capsys.readouterr().err
+    assert ("rank 0: stopped at the recall evaluation after 2 steps: OutOfMemoryError on rank 0: CUDA out of memory. "
+            "Tried to allocate 9.00 GiB (out of memory: a smaller --eval-batch, or --eval-sequences 0 to skip the "
+            f"evaluation; the trained model is saved in {last}: --resume {last} --steps 2 with a smaller --eval-batch "
+            "evaluates it without training)\n") in err, err
+    r = _json(tmp_path / "r.json")
+    assert r["steps"] == [0, 1] and len(r["loss"]) == 2 and r["recall"] is None
+    assert r["error"].startswith("the recall evaluation after 2 steps: OutOfMemoryError on rank 0")
+    monkeypatch.setattr(loop, "recall", real)
+    assert main([*ARGV, "--resume", str(last), "--steps", "2", "--eval-batch", "2", "--json",
+                 str(tmp_path / "r.json")]) == 0
+    r = _json(tmp_path / "r.json")
+    assert r["resumed_from"] == 2 and r["steps"] == [] and 0 <= r["recall"] <= 1

@@ -1,5 +1,5 @@
-"""Faults of a ``sparseops train`` run: the error that ends it naming the step, and the test-only injection
-(docs/training.md, "Faults").
+"""Faults of a ``sparseops train`` run: the error that ends it naming the step (or the recall evaluation at the
+end), and the test-only injection (docs/training.md, "Faults").
 
 ``SPARSEOPS_TRAIN_FAULT=<kind>:rank=<r>:step=<s>`` (tests only) makes rank ``r`` misbehave at step ``s``
 (``s`` counts from 0, before the step's first collective); ``:restart=<n>`` added, only in torchrun's attempt ``n``
@@ -30,10 +30,11 @@ RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 
 
 class TrainingStopped(RuntimeError):
-    """The run stopped at ``step``: a non-finite loss or gradient, or a collective that failed or timed out."""
+    """The run stopped at ``step``: a non-finite loss or gradient, or a collective that failed or timed out.
+    ``where``: the part of the run that stopped, when not the step itself (:func:`evaluation_where`)."""
 
-    def __init__(self, step: int, message: str):
-        super().__init__(f"step {step}: {message}")
+    def __init__(self, step: int, message: str, where: str | None = None):
+        super().__init__(f"{where or f'step {step}'}: {message}")
         self.step = step
 
 
@@ -110,7 +111,25 @@ def memory_failure(step: int, rank: int, exc: BaseException) -> TrainingStopped:
                                  "--activation-checkpointing)")
 
 
-def collective_failure(step: int, rank: int, timeout: float, exc: BaseException) -> TrainingStopped:
-    """The error of a collective that raised on this rank (a peer stopped responding or died)."""
+def collective_failure(step: int, rank: int, timeout: float, exc: BaseException,
+                       where: str | None = None) -> TrainingStopped:
+    """The error of a collective that raised on this rank (a peer stopped responding or died) in ``step``, or in
+    ``where`` (:class:`TrainingStopped`)."""
     return TrainingStopped(step, f"{type(exc).__name__} on rank {rank}: {first_line(exc)} (a collective that failed here: a "
-                                 f"rank did not respond within --comm-timeout {timeout:g} s, or died)")
+                                 f"rank did not respond within --comm-timeout {timeout:g} s, or died)", where)
+
+
+def evaluation_where(steps: int) -> str:
+    """The end-of-run recall evaluation after ``steps`` steps, as :class:`TrainingStopped` names it."""
+    return f"the recall evaluation after {steps} step{'s' * (steps != 1)}"
+
+
+def evaluation_memory_failure(steps: int, rank: int, exc: BaseException, saved: str | None) -> TrainingStopped:
+    """The error of an allocation that failed on this rank in the end-of-run recall evaluation (the activations of
+    its ``--eval-batch`` sequences, shared by the data-parallel ranks). ``saved``: the checkpoint that holds the
+    trained model, which a resume at ``--steps steps`` evaluates without training (None: none)."""
+    rerun = (f"; the trained model is saved in {saved}: --resume {saved} --steps {steps} with a smaller --eval-batch "
+             "evaluates it without training" if saved is not None else "")
+    return TrainingStopped(steps, f"{type(exc).__name__} on rank {rank}: {first_line(exc)} (out of memory: a smaller "
+                                  f"--eval-batch, or --eval-sequences 0 to skip the evaluation{rerun})",
+                           evaluation_where(steps))

@@ -48,6 +48,8 @@ from .dsa_warmup import Stages, ddp_options
 from .faults import (
     TrainingStopped,
     collective_failure,
+    evaluation_memory_failure,
+    evaluation_where,
     fault_from_env,
     inject,
     memory_failure,
@@ -160,8 +162,9 @@ def train_run(spec: RunSpec, result: dict, *, device: torch.device | None = None
     ``recall`` (the recall task, ``eval_sequences > 0``; else None), ``seconds``.
 
     Raises:
-        TrainingStopped: a non-finite loss or gradient norm (on every rank, before the optimizer step), or a
-            collective that failed or timed out (a peer stopped responding or died); the message names the step.
+        TrainingStopped: a non-finite loss or gradient norm (on every rank, before the optimizer step), a
+            collective that failed or timed out (a peer stopped responding or died), or an allocation that failed;
+            the message names the step, or the recall evaluation at the end.
     """
     device = torch.device("cpu") if device is None else device
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -219,10 +222,31 @@ def train_run(spec: RunSpec, result: dict, *, device: torch.device | None = None
         if on_step is not None and rank == 0:
             on_step(step, loss)
     if spec.task is not None and spec.data_path is None and cfg.eval_sequences > 0:
-        with ctx.autocast_ctx():
-            result["recall"] = recall(model, spec.task, cfg, device, dist.group.WORLD if ctx.dp_world > 1 else None)
+        result["recall"] = _evaluate(ctx, model, spec, state.step, _trained_checkpoint(spec, result))
     result["seconds"] = time.perf_counter() - start
     return result
+
+
+def _evaluate(ctx: _Ctx, model: torch.nn.Module, spec: RunSpec, steps: int, saved: str | None) -> float:
+    """The recall evaluation at the end of the run; an allocation or a collective that fails in it stops the run
+    with a message as in a step (``TrainingStopped``; ``saved``: the checkpoint of the trained model, or None)."""
+    try:
+        with ctx.autocast_ctx():
+            return recall(model, spec.task, ctx.cfg, ctx.device, dist.group.WORLD if ctx.dp_world > 1 else None)
+    except (RuntimeError, dist.DistError) as exc:
+        if out_of_memory(exc):  # named on the rank that ran out (torchrun then ends the others)
+            raise evaluation_memory_failure(steps, ctx.rank, exc, saved) from exc
+        if ctx.world == 1:
+            raise
+        raise collective_failure(steps, ctx.rank, spec.comm_timeout, exc, evaluation_where(steps)) from exc
+
+
+def _trained_checkpoint(spec: RunSpec, result: dict) -> str | None:
+    """The checkpoint that holds the run's trained model: its last save (at the last step), or the resumed one
+    when the run trained no step; None: none."""
+    if result["checkpoints"]:
+        return result["checkpoints"][-1]
+    return str(spec.resume) if spec.resume is not None and not result["steps"] else None
 
 
 def _schedule_lr(opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LambdaLR) -> None:
