@@ -387,3 +387,48 @@ def test_an_evaluation_out_of_memory_stops_the_run_with_a_message(tmp_path, monk
                  str(tmp_path / "r.json")]) == 0
     r = _json(tmp_path / "r.json")
     assert r["resumed_from"] == 2 and r["steps"] == [] and 0 <= r["recall"] <= 1
+
+
+def test_ranks_that_decided_different_resumed_steps_are_stopped():
+    """Every rank decides its checkpoint from the files before any collective: ranks that disagree (a checkpoint
+    completed between their looks) are refused naming the flag and both steps; ranks that agree pass."""
+    from sparseops.cli._resume import different_steps
+
+    assert different_steps([4, 4, 4], "--resume") is None and different_steps([0], "--auto-resume") is None
+    assert different_steps([0, 0, 4, 2], "--auto-resume") == (
+        "--auto-resume: expected every rank to resume from the same step, got step 0 (no complete checkpoint) on rank "
+        "0 and step 4 on rank 2: each rank picks the newest complete checkpoint from the files, and one completed or "
+        "went away between the ranks' looks (another job writing there?) or the ranks see different file systems; "
+        "relaunch when nothing else writes there")
+    assert different_steps([4, 2], "--resume").startswith("--resume: expected every rank to resume from the same "
+                                                          "step, got step 4 on rank 0 and step 2 on rank 1: ")
+
+
+def _resume_steps(rank: int, world: int, cases: list[tuple[list[int], bool]]) -> list[str | None]:
+    """``check_same_step`` on this rank of a spawned group for each case ``(steps, auto)``: rank ``r`` resuming
+    ``steps[r]`` under ``--auto-resume`` (``auto``) or ``--resume``; its error, or None."""
+    import argparse
+
+    from sparseops.cli._resume import check_same_step
+    from sparseops.training.checkpoint import LoadFailed
+
+    out = []
+    for steps, auto in cases:
+        spec = argparse.Namespace(resume=f"ck/step_{steps[rank]}" if steps[rank] else None)
+        try:
+            check_same_step(argparse.Namespace(resume=None if auto else "ck", auto_resume=auto), spec)
+            out.append(None)
+        except LoadFailed as exc:
+            out.append(str(exc))
+    return out
+
+
+@pytest.mark.distributed
+def test_ranks_resuming_different_steps_stop_on_every_rank():
+    """The gather itself, at W = 2 (one spawn, no model): every rank raises the same refusal, or none."""
+    from sparseops.distributed.launch import spawn
+
+    (differ, agree), again = spawn(_resume_steps, 2, [([0, 4], True), ([4, 4], False)], timeout=60)
+    assert (differ, agree) == tuple(again) and agree is None
+    assert differ.startswith("--auto-resume: expected every rank to resume from the same step, got step 0 (no "
+                             "complete checkpoint) on rank 0 and step 4 on rank 1")

@@ -153,7 +153,7 @@ def micro_batches_notice(spec) -> str | None:
     ``M``), else None."""
     if spec.resumed_micro_batches is None:
         return None
-    step = Path(os.fspath(spec.resume)).name.removeprefix("step_")
+    step = resumed_step(spec)
     model = spec.model
     terms = ["the MoE load-balance loss"] * (model.aux_loss_coeff != 0)
     terms += ["DSA's indexer loss"] * (model.attention == "dsa" and model.indexer_loss_coeff != 0)
@@ -183,6 +183,49 @@ def resume_source(args: argparse.Namespace, bad: type[Exception]) -> tuple[str, 
     from ..training import checkpoint
 
     return (args.save, "--auto-resume") if checkpoint.scan(args.save)[0] else None
+
+
+def resumed_step(spec) -> int:
+    """The step the run ``spec`` starts at: its resumed checkpoint's (``DIR/step_<s>``), 0 without one."""
+    return 0 if spec.resume is None else int(Path(os.fspath(spec.resume)).name.removeprefix("step_"))
+
+
+def different_steps(steps: list[int], flag: str) -> str | None:
+    """The refusal of a launch whose ranks decided to resume different steps (``steps[r]``: rank ``r``'s, 0: no
+    checkpoint), naming ``flag`` (``--resume`` or ``--auto-resume``) and two of the steps; None when they agree."""
+    other = next((r for r, s in enumerate(steps) if s != steps[0]), None)
+    if other is None:
+        return None
+
+    def start(s: int) -> str:
+        return f"step {s}" if s else "step 0 (no complete checkpoint)"
+
+    return (f"{flag}: expected every rank to resume from the same step, got {start(steps[0])} on rank 0 and "
+            f"{start(steps[other])} on rank {other}: each rank picks the newest complete checkpoint from the files, "
+            "and one completed or went away between the ranks' looks (another job writing there?) or the ranks see "
+            "different file systems; relaunch when nothing else writes there")
+
+
+def check_same_step(args: argparse.Namespace, spec) -> None:
+    """After ``init_process_group``, with ``--resume`` or ``--auto-resume``: every rank's resumed step (decided from
+    the files alone, before any collective) gathered over the world group (a CPU tensor: gloo), so that no rank
+    loads another step than its peers (docs/training.md, "Faults").
+
+    Raises:
+        LoadFailed: the ranks decided different steps (:func:`different_steps`), on every rank.
+    """
+    if args.resume is None and not args.auto_resume:
+        return
+    import torch
+    import torch.distributed as dist
+
+    from ..training.checkpoint import LoadFailed
+
+    steps = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(steps, torch.tensor([resumed_step(spec)], dtype=torch.int64))
+    problem = different_steps([int(s) for s in steps], "--auto-resume" if args.auto_resume else "--resume")
+    if problem is not None:
+        raise LoadFailed(problem)
 
 
 def auto_resume_notice(args: argparse.Namespace, spec) -> str | None:

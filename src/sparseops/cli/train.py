@@ -465,6 +465,8 @@ def run(args: argparse.Namespace) -> int:
     result: dict = {}
     error, status = None, 0
     try:
+        if env is not None:  # every rank decided the resumed step from the files: the same one?
+            _resume.check_same_step(args, spec)
         train_run(spec, result, device=device, data=data, on_step=on_step)
     except TrainingStopped as exc:
         error, status = str(exc), 1
