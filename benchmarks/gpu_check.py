@@ -43,6 +43,13 @@ SIZES = {
     "cpu": {"moe": dict(T=37, H=24, F=12, E=8, K=2), "nsa": dict(cu=[0, 70, 131], hidden=32),
             "hf": dict(T=40, H=32, F=16, E=8, K=2)},
 }
+#: ``sparseops train``'s model flags per mode: its default model on the GPU, a tiny one in the CPU rehearsal
+TRAIN_MODEL = {
+    "gpu": [],
+    "cpu": ["--hidden-size", "16", "--num-heads", "2", "--num-kv-heads", "1", "--head-dim", "8", "--ffn-size", "16",
+            "--num-experts", "4", "--expert-ffn-size", "8", "--window-size", "16", "--select-count", "3",
+            "--threads", "1"],
+}
 
 #: ``sparseops train`` for a few steps (one process under torchrun), ``{out}`` its output folder
 #: (``{steps}``: 5 on the GPU, 2 in the CPU rehearsal)
@@ -330,7 +337,7 @@ def check_train(ctx: dict, autocast: bool = False):
     out = ctx["out"] / name
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
             "sparseops", "train", *(a.format(out=out, steps=2 if ctx["device"].type == "cpu" else 5) for a in TRAIN_ARGV)]
-    argv += ["--autocast", "bfloat16"] if autocast else []
+    argv += TRAIN_MODEL[ctx["device"].type] + (["--autocast", "bfloat16"] if autocast else [])
     _command_row(argv, TIMEOUTS["train"], ctx["out"] / f"{name}.log", ctx.get("deadline"))
     losses = json.loads((out / "train.json").read_text()).get("loss") if (out / "train.json").is_file() else None
     if not losses or not all(isinstance(v, float) and v == v for v in losses):
