@@ -18,7 +18,7 @@ TRITON_TESTS := tests/moe/test_triton_impl.py tests/nsa/test_triton_impl.py test
 # the Triton kernels compiled for real GPUs without one (minutes while Triton's cache is cold, one compile at a time)
 FIT_TESTS := tests/nsa/test_triton_fit.py tests/nsa/test_triton_gather_fit.py tests/test_triton.py
 
-.PHONY: run test test-fit test-interpret test-interpret-latest lint check bench peers peers-cpu clean
+.PHONY: run test test-suite test-fit test-interpret test-interpret-latest lint check bench peers peers-cpu clean
 
 # every pip call after the first torch install: no package may replace that torch (constraints.txt pins it)
 PIP = $(BIN)/python -m pip install -q -c constraints.txt
@@ -48,13 +48,16 @@ run: $(BIN)/.installed
 	$(BIN)/sparseops demo --quick
 	$(BIN)/sparseops bench --quick
 
-# ruff, the suite, then three single-threaded pytest processes two at a time, one a core (the offline compiles
-# beside the interpreter under both Triton versions in turn), each one's output printed whole as it ends; any
-# failure fails `test`
+# ruff, then four pytest processes two at a time, each one's output printed whole as it ends: the suite beside
+# the single-threaded ones in turn (the offline compiles, then the interpreter under either Triton version), as the
+# suite leaves a core idle for much of its run (it waits on spawned processes and small ops); any failure fails
+# `test`
 test: $(BIN)/.installed $(VENV_LATEST)/.installed
 	$(BIN)/ruff check src tests benchmarks
+	$(MAKE) -j2 --output-sync=target --no-print-directory test-suite test-fit test-interpret test-interpret-latest
+
+test-suite: $(BIN)/.installed
 	$(BIN)/python -m pytest -q $(addprefix --ignore=,$(FIT_TESTS))
-	$(MAKE) -j2 --output-sync=target --no-print-directory test-fit test-interpret test-interpret-latest
 
 test-fit: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(FIT_TESTS)
