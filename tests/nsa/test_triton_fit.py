@@ -230,9 +230,9 @@ def test_nsa_fewer_stages_where_two_do_not_fit():
     assert (x.kernel, x.num_stages, x.stages) == ("nsa_fwd_kernel", 2, 1) and x.shared <= _triton.SHARED_LIMIT[86]
 
 
-def _grad_args(dtype, G, Dqk, Dv, bs, K=2):
-    q, k, v, topk, m, l, cu = _nsa_inputs(G, Dqk, Dv, bs, K, dtype, N2=1, seqs=(40, 25))
-    topk[:, :, 1] = -1
+def _grad_args(dtype, G, Dqk, Dv, bs, K=2, N2=1):
+    q, k, v, topk, m, l, cu = _nsa_inputs(G, Dqk, Dv, bs, K, dtype, N2=N2, seqs=(40, 25))
+    topk[:, :, 1:] = -1
     g = torch.Generator().manual_seed(1)
     out = torch.randn(q.shape[0], q.shape[1], Dv, generator=g).to(dtype)
     dout = torch.randn(q.shape[0], q.shape[1], Dv, generator=g).to(dtype)
@@ -242,17 +242,18 @@ def _grad_args(dtype, G, Dqk, Dv, bs, K=2):
     return (q, k, v, out, dout, *stats, topk), kw
 
 
-@pytest.mark.parametrize("dtype, G, Dqk, Dv, bs, dq_atomic, launched", [
-    # the dQ kernel runs (in steps of fewer keys), then the dK/dV kernel does not fit
-    (torch.float32, 32, 256, 256, 128, False, ["nsa_bwd_dq_kernel"]),
+@pytest.mark.parametrize("dtype, G, Dqk, Dv, bs, K, N2, dq_atomic, launched", [
+    # the dQ kernel runs (in steps of fewer keys), then the dK/dV kernel does not fit (K and N2, which the kernels
+    # take as constants, those of the shortfall above: the same compiled dQ kernel)
+    (torch.float32, 32, 256, 256, 128, 16, 2, False, ["nsa_bwd_dq_kernel"]),
     # with DQ_ATOMIC: the D kernel runs, then the dK/dV kernel does not fit
-    (torch.float32, 16, 192, 128, 64, True, ["nsa_bwd_delta_kernel"]),
+    (torch.float32, 16, 192, 128, 64, 2, 1, True, ["nsa_bwd_delta_kernel"]),
 ], ids=["fp32-dkv-does-not-fit-after-dq", "fp32-dkv-does-not-fit-after-delta"])
-def test_auto_runs_torch_where_a_kernel_does_not_fit(monkeypatch, dtype, G, Dqk, Dv, bs, dq_atomic, launched):
+def test_auto_runs_torch_where_a_kernel_does_not_fit(monkeypatch, dtype, G, Dqk, Dv, bs, K, N2, dq_atomic, launched):
     """``backend="auto"`` on a GPU that cannot hold a backward kernel: the torch path's exact result and a
     ``RuntimeWarning``; an explicit ``backend="triton"`` raises. (The device is an offline sm_86 and ``auto`` is
     made to choose Triton for CPU tensors: what it would choose for CUDA ones.)"""
-    args, kw = _grad_args(dtype, G, Dqk, Dv, bs)
+    args, kw = _grad_args(dtype, G, Dqk, Dv, bs, K, N2)
     want = api.nsa_selected_attention_grad(*args, **kw, backend="torch")
     before = [a.clone() for a in args]
     real = _checks.resolve_backend
