@@ -48,16 +48,17 @@ run: $(BIN)/.installed
 	$(BIN)/sparseops demo --quick
 	$(BIN)/sparseops bench --quick
 
-# ruff, then four pytest processes two at a time, each one's output printed whole as it ends: the suite beside
-# the single-threaded ones in turn (the offline compiles, then the interpreter under either Triton version), as the
-# suite leaves a core idle for much of its run (it waits on spawned processes and small ops); any failure fails
-# `test`
-test: $(BIN)/.installed $(VENV_LATEST)/.installed
+# the two environments side by side, ruff, then four pytest processes two at a time, each one's output printed
+# whole as it ends: the suite beside the single-threaded ones in turn (the offline compiles, then the interpreter
+# under either Triton version), as the suite leaves a core idle for much of its run (it waits on spawned processes
+# and small ops); any failure fails `test`
+test:
+	$(MAKE) -j2 --output-sync=target --no-print-directory $(BIN)/.installed $(VENV_LATEST)/.installed
 	$(BIN)/ruff check src tests benchmarks
 	$(MAKE) -j2 --output-sync=target --no-print-directory test-suite test-fit test-interpret test-interpret-latest
 
 test-suite: $(BIN)/.installed
-	$(BIN)/python -m pytest -q $(addprefix --ignore=,$(FIT_TESTS))
+	$(BIN)/python -m pytest -q --durations=25 $(addprefix --ignore=,$(FIT_TESTS))
 
 test-fit: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(FIT_TESTS)
