@@ -15,8 +15,9 @@ VENV_LATEST := .venv-triton-latest
 # the Triton kernels on the CPU: the interpreter, exact fp32 dots; in their own pytest processes
 INTERPRET := TRITON_INTERPRET=1 TRITON_F32_DEFAULT=ieee
 TRITON_TESTS := tests/moe/test_triton_impl.py tests/nsa/test_triton_impl.py tests/nsa/test_triton_plan.py tests/nsa/test_triton_gather.py
-# the Triton kernels compiled for real GPUs without one (minutes while Triton's cache is cold, one compile at a time)
-FIT_TESTS := tests/nsa/test_triton_fit.py tests/nsa/test_triton_gather_fit.py tests/test_triton.py
+# the Triton kernels compiled for real GPUs without one (minutes while Triton's cache is cold, one compile at a time),
+# `sparseops fit` last: its shapes' kernels come from the cache the others filled
+FIT_TESTS := tests/nsa/test_triton_fit.py tests/nsa/test_triton_gather_fit.py tests/test_triton.py tests/cli/test_fit.py
 
 .PHONY: run test test-suite test-fit test-interpret test-interpret-latest lint check bench peers peers-cpu clean
 
