@@ -12,7 +12,7 @@ raises ``M`` to keep each rank's memory, so a resume may change it (the run uses
 on, rank 0 says so once, its checkpoints record it). Checkpoints written before the settings were recorded carry
 none: only their shapes are checked. ``--auto-resume`` resumes from the ``--save`` DIR when it holds a complete
 checkpoint, with the same checks (:func:`resume_source`). Every message about the resumed checkpoint names the flag
-it came from (``--resume`` or ``--auto-resume``), passed down as ``flag``.
+it came from (``--resume`` or ``--auto-resume``: :func:`resume_flag`), passed down as ``flag``.
 """
 
 from __future__ import annotations
@@ -163,17 +163,22 @@ def micro_batches_notice(spec) -> str | None:
             f"{spec.resumed_micro_batches} before: {what}; this run's checkpoints record {spec.micro_batches}")
 
 
-def resume_source(args: argparse.Namespace, bad: type[Exception]) -> tuple[str, str] | None:
-    """``(source, flag)``: the directory (or ``DIR/step_<s>``) the run resumes from and the flag that named it,
-    which the messages about the checkpoint name: ``--resume``'s, or under ``--auto-resume`` the ``--save`` DIR
-    when it holds a complete checkpoint; None: the run starts at step 0. Decided from the files alone, before any
-    collective: every rank of a launch sees the same (docs/training.md, "Faults").
+def resume_flag(args: argparse.Namespace) -> str:
+    """The flag a resume comes from, which every message about its checkpoint names: ``--auto-resume`` or
+    ``--resume`` (the two are refused together: :func:`resume_source`)."""
+    return "--auto-resume" if args.auto_resume else "--resume"
+
+
+def resume_source(args: argparse.Namespace, bad: type[Exception]) -> str | None:
+    """The directory (or ``DIR/step_<s>``) the run resumes from: ``--resume``'s, or under ``--auto-resume`` the
+    ``--save`` DIR when it holds a complete checkpoint; None: the run starts at step 0. Decided from the files
+    alone, before any collective: every rank of a launch sees the same (docs/training.md, "Faults").
 
     Raises:
         bad: ``--auto-resume`` without ``--save``, or with ``--resume``.
     """
     if not args.auto_resume:
-        return None if args.resume is None else (args.resume, "--resume")
+        return args.resume
     if args.save is None:
         raise bad("--auto-resume: expected --save DIR with it (the run resumes from DIR's newest complete "
                   "checkpoint when it holds one), got no --save")
@@ -182,7 +187,7 @@ def resume_source(args: argparse.Namespace, bad: type[Exception]) -> tuple[str, 
                   f"holds a complete checkpoint, else starts at step 0), got --resume {args.resume!r}")
     from ..training import checkpoint
 
-    return (args.save, "--auto-resume") if checkpoint.scan(args.save)[0] else None
+    return args.save if checkpoint.scan(args.save)[0] else None
 
 
 def resumed_step(spec) -> int:
@@ -223,7 +228,7 @@ def check_same_step(args: argparse.Namespace, spec) -> None:
 
     steps = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
     dist.all_gather(steps, torch.tensor([resumed_step(spec)], dtype=torch.int64))
-    problem = different_steps([int(s) for s in steps], "--auto-resume" if args.auto_resume else "--resume")
+    problem = different_steps([int(s) for s in steps], resume_flag(args))
     if problem is not None:
         raise LoadFailed(problem)
 

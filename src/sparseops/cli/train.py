@@ -222,9 +222,9 @@ def build_spec(args: argparse.Namespace, world: int):
     if args.device == "cuda" and not torch.cuda.is_available():
         raise _Bad("--device: expected a machine where torch sees CUDA for 'cuda', got none "
                    "(torch.cuda.is_available() is False)")
-    resume, resumed, given_micro, saved_micro, flag = None, 0, args.micro_batches, None, "--resume"
+    resume, resumed, given_micro, saved_micro = None, 0, args.micro_batches, None
+    flag = _resume.resume_flag(args)  # named in every message about the checkpoint
     if (source := _resume.resume_source(args, _Bad)) is not None:
-        source, flag = source  # the flag it came from, named in every message about the checkpoint
         try:
             resumed, resume = checkpoint.newest_complete(source, flag)
         except ValueError as exc:
