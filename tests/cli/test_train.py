@@ -260,6 +260,9 @@ def test_config_argv_spells_out_every_setting():
     (1, ["--data", "/dev/null", "--eval-sequences", "0", "--eval-batch", "2"],  # --eval-sequences 0: no evaluation
      "--eval-batch: expected no recall-task flag with --data .next-token prediction on the file: no recall task, no "
      "recall evaluation., got --eval-batch$"),
+    (1, ["--eval-sequences", "0", "--eval-batch", "2"], "--eval-batch: expected --eval-sequences above 0 with it "
+                                                       r"\(0: no recall evaluation\), got --eval-batch 2 with "
+                                                       "--eval-sequences 0$"),
     pytest.param(1, ["--device", "cuda"], "--device: expected a machine where torch sees CUDA for 'cuda', got none",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")),
     (2, ["--replicated-tokens", "--ep", "1", "--dp-shard", "2"], "--replicated-tokens: expected no --dp-replicate"),
@@ -284,7 +287,8 @@ def test_config_argv_spells_out_every_setting():
     (1, ["--micro-batches", "0"], "--micro-batches: expected an int >= 1, got 0"),
 ], ids=["world-mismatch", "replicate-not-dividing", "ep-not-dividing-shard", "ep-not-dividing-experts",
         "batch-not-dividing", "resume-nothing", "save-every-alone", "no-steps", "timeout-under-a-ms", "timeout-overflowing", "task", "no-file", "data-a-device",
-        "recall-flags-with-data", "data-dtype-without-data", "eval-batch-with-data", "no-cuda",
+        "recall-flags-with-data", "data-dtype-without-data", "eval-batch-with-data", "eval-batch-no-evaluation",
+        "no-cuda",
         "replicated-with-dp", "replicated-ep-1", "negative-clip", "negative-decay", "lr-past-float32", "decay-past-float32", "model", "seed-past-torch",
         "autocast-float64", "dense-steps-nsa", "dense-steps-negative", "dense-steps-no-indexer-loss", "micro-batches-not-dividing", "replicated-micro-batches",
         "no-micro-batches"])
@@ -302,6 +306,36 @@ def test_bad_flags_exit_2_before_any_collective(tmp_path, monkeypatch, capsys, w
                 if not {"--save-every", "--replicated-tokens"} & set(extra) else [*argv, *extra]) == 2
     assert re.search(match, capsys.readouterr().err)
     assert not (tmp_path / "r.json").exists() and not (tmp_path / "ck").exists()
+
+
+def test_a_group_that_does_not_form_is_named_and_launch_problems_are_reported_per_node(tmp_path, monkeypatch,
+                                                                                       capsys):
+    """A rank whose peers never join (one failed its launch checks on another node, or never started): exit 1
+    within --comm-timeout naming the group, the address and torch's own error, not torch's traceback; rank 0 (the
+    store's host, waiting for clients) writes the JSON with the error. A launch check's message comes from rank 0
+    and from each other node's first rank (prefixed with its rank: it may see other files), not from every rank."""
+    port = free_port()
+    for k, v in {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    for rank in (1, 0):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        capsys.readouterr()
+        assert main([*ARGV, "--comm-timeout", "1", "--json", str(tmp_path / "r.json")]) == 1
+        err = capsys.readouterr().err
+        assert (f"sparseops train: rank {rank}: the process group of 2 ranks did not form at 127.0.0.1:{port} within "
+                "--comm-timeout 1 s (Dist") in err
+        assert err.rstrip().endswith("a rank that failed its launch checks exits 2 without joining (its message is "
+                                     "in its node's output), or a rank did not start") and "Traceback" not in err
+        assert (tmp_path / "r.json").exists() == (rank == 0)
+    r = _json(tmp_path / "r.json")
+    assert r["steps"] == [] and r["error"].startswith("the process group of 2 ranks did not form")
+    monkeypatch.setenv("RANK", "1")
+    for local, shown in ((1, False), (0, True)):
+        monkeypatch.setenv("LOCAL_RANK", str(local))
+        assert main([*ARGV, "--steps", "0"]) == 2
+        err = capsys.readouterr().err
+        assert err == ("sparseops train: rank 1: --steps: expected an int >= 1, got 0\n" if shown else "")
 
 
 @pytest.mark.parametrize("env, missing", [({"WORLD_SIZE": "2"}, "RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT"),

@@ -1,7 +1,7 @@
 """Flag checks the subcommands share, made before any work: a seed torch accepts, an output folder or file that
 can be written; and the results file written whole or not at all. ``check_*`` exit (``SystemExit``: status 2,
-one line naming the command and the flag); ``sparseops train``, which reports on rank 0 only, takes the
-``*_problem`` answers."""
+one line naming the command and the flag); ``sparseops train``, whose ranks decide who reports, takes the
+``*_problem`` answers (cli/_group.py)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from . import _flags, _resume
+from . import _flags, _group, _resume
 from ._flags import adamw_problem, memory_bytes, outputs_problem, seed_problem, torchrun_env, write_json
 from ._resume import LEFT_OUT
 
@@ -258,6 +258,9 @@ def build_spec(args: argparse.Namespace, world: int):
         except ValueError as exc:
             raise _Bad(f"the recall task (--seq-len, --recall-*): {exc}") from None
         model = model.replace(vocab_size=task.vocab_size)
+        if args.eval_batch is not None and not optim.eval_sequences:
+            raise _Bad(f"--eval-batch: expected --eval-sequences above 0 with it (0: no recall evaluation), got "
+                       f"--eval-batch {args.eval_batch} with --eval-sequences 0")
         if optim.eval_sequences:
             eval_batch = min(optim.eval_batch, optim.eval_sequences)
             if eval_batch % layout.data_ranks:
@@ -404,6 +407,15 @@ def _result_json(args, spec, world: int, result: dict, error: str | None) -> dic
             "checkpoints": result.get("checkpoints", []), "seconds": result.get("seconds"), "error": error}
 
 
+def _header(args, spec, world: int, device_type: str) -> str:
+    return (f"sparseops train: {world} rank(s), {spec.layout.dims()} {spec.layout.data_parallel}, "
+            f"{spec.optim.steps} steps x {spec.optim.batch_size} sequences"
+            + (f" in {spec.micro_batches} micro-batches" if spec.micro_batches > 1 else "") + f", {args.dtype}"
+            + (f" under autocast {args.autocast}" if args.autocast else "") + f" on {device_type}"
+            + (f", DSA dense warm-up for {spec.dsa_dense_steps} steps" if spec.dsa_dense_steps else "")
+            + (f", resuming from {spec.resume}" if spec.resume else ""))
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         env = torchrun_env()
@@ -424,11 +436,8 @@ def run(args: argparse.Namespace) -> int:
         spec = check_run(spec, data, args)
         check_outputs(args, rank)
     except (_Bad, ValueError) as exc:
-        if rank == 0:
-            print(f"sparseops train: {exc}", file=sys.stderr)
+        _group.report_launch_problem(exc, rank, local_rank)
         return 2
-    import datetime
-
     import torch
     import torch.distributed as dist
 
@@ -440,23 +449,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if env is not None:
-        if rank == 0 and (warning := _flags.restart_store_warning()):
-            print(warning, file=sys.stderr, flush=True)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(seconds=spec.comm_timeout))
-    if rank == 0:
-        print(f"sparseops train: {world} rank(s), {spec.layout.dims()} {spec.layout.data_parallel}, "
-              f"{spec.optim.steps} steps x {spec.optim.batch_size} sequences"
-              + (f" in {spec.micro_batches} micro-batches" if spec.micro_batches > 1 else "") + f", {args.dtype}"
-              + (f" under autocast {args.autocast}" if args.autocast else "") + f" on {device.type}"
-              + (f", DSA dense warm-up for {spec.dsa_dense_steps} steps" if spec.dsa_dense_steps else "")
-              + (f", resuming from {spec.resume}" if spec.resume else ""), flush=True)
-        for notice in (_resume.auto_resume_notice(args, spec), _resume.micro_batches_notice(spec)):
-            if notice:
-                print(notice, flush=True)
+    if env is not None and rank == 0 and (warning := _flags.restart_store_warning()):
+        print(warning, file=sys.stderr, flush=True)
 
     def on_step(step: int, loss: float) -> None:
         if spec.log_every and ((step + 1) % spec.log_every == 0 or step + 1 == spec.optim.steps):
@@ -465,13 +459,19 @@ def run(args: argparse.Namespace) -> int:
     result: dict = {}
     error, status = None, 0
     try:
+        if env is not None:
+            _group.join(device, spec.comm_timeout, world)
+        if rank == 0:
+            print(_header(args, spec, world, device.type), flush=True)
+            for notice in filter(None, (_resume.auto_resume_notice(args, spec), _resume.micro_batches_notice(spec))):
+                print(notice, flush=True)
         if env is not None:  # every rank decided the resumed step from the files: the same one?
             _resume.check_same_step(args, spec)
         train_run(spec, result, device=device, data=data, on_step=on_step)
     except TrainingStopped as exc:
         error, status = str(exc), 1
         print(f"sparseops train: rank {rank}: stopped at {exc}", file=sys.stderr, flush=True)
-    except LoadFailed as exc:
+    except (LoadFailed, _group.GroupFailed) as exc:
         error, status = str(exc), 1
         print(f"sparseops train: rank {rank}: {exc}", file=sys.stderr, flush=True)
     if rank == 0 and args.json:
@@ -482,7 +482,7 @@ def run(args: argparse.Namespace) -> int:
     if rank == 0 and status == 0:
         print(f"sparseops train: done, {len(result['steps'])} steps in {result['seconds']:.1f} s"
               + (f", recall {100 * result['recall']:.1f} %" if result.get("recall") is not None else ""), flush=True)
-    if env is not None:
+    if dist.is_initialized():
         if status:  # the group may be broken (a peer gone): leave without its teardown, which could wait
             sys.stdout.flush()
             sys.stderr.flush()
