@@ -237,6 +237,8 @@ def test_config_argv_spells_out_every_setting():
     cli_train.add_arguments(parser)
     spec = cli_train.build_spec(parser.parse_args(config_argv(task, model, cfg)), 1)
     assert spec.task == task and spec.model == model and spec.optim == cfg and model.rope_theta is None
+    cfg = dataclasses.replace(cfg, eval_sequences=0)  # no evaluation: no --eval-batch, which would be refused
+    assert cli_train.build_spec(parser.parse_args(config_argv(task, model, cfg)), 1).optim == cfg
 
 
 @pytest.mark.parametrize("world, extra, match", [

@@ -392,7 +392,8 @@ def config_argv(task, model, optim) -> list[str]:
     argv += [x for n, f in _RECALL.items() for x in (f"--recall-{f}", str(getattr(task, n)))]
     argv += [x for n in _MODEL_INT + _MODEL_FLOAT for x in (f"--{n.replace('_', '-')}", str(getattr(model, n)))]
     argv += ["--attention", model.attention]
-    argv += [x for n, f in _OPTIM.items() for x in (f"--{f}", repr(getattr(optim, n)))]
+    argv += [x for n, f in _OPTIM.items() if n != "eval_batch" or optim.eval_sequences  # else refused
+             for x in (f"--{f}", repr(getattr(optim, n)))]
     return argv
 
 
