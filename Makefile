@@ -75,6 +75,10 @@ test-interpret-latest: $(VENV_LATEST)/.installed
 check: $(BIN)/.installed
 	$(BIN)/sparseops check
 
+# the linter alone (`make test` runs it first)
+lint: $(BIN)/.installed
+	$(BIN)/ruff check src tests benchmarks
+
 # the full sweep, to ./sparseops-results/; `sparseops bench --record` appends to benchmarks/results/ on purpose
 bench: $(BIN)/.installed
 	$(BIN)/sparseops bench
