@@ -155,3 +155,13 @@ def test_bench_loads_each_checkout_under_its_own_name(tmp_path, monkeypatch):
         mods.append(bench.load_benchmark("moe", str(tmp_path / tag)))
     assert [m.TAG for m in mods] == ["a", "b"]
     assert str(tmp_path / "b") in sys.path and str(tmp_path / "a") not in sys.path
+
+
+def test_bench_written_files_are_the_subjects_own(tmp_path):
+    """nsa_module --smoke writes nsa_module_smoke.json: reported, not '(nothing named nsa_module.* written)';
+    moe_layer's files in the same folder are not moe's."""
+    for f in ("nsa_module_smoke.json", "moe.json", "moe.png", "moe_layer.json", "nsa.json", "dsa.json"):
+        (tmp_path / f).write_text("{}")
+    names = {s: [Path(p).name for p in bench.written_files(tmp_path, s, 0.0)] for s in bench.SUBJECTS}
+    assert names == {"moe": ["moe.json", "moe.png"], "nsa": ["nsa.json"], "moe_layer": ["moe_layer.json"],
+                     "nsa_module": ["nsa_module_smoke.json"], "dsa": ["dsa.json"]}

@@ -172,10 +172,19 @@ def previous_duration(out: Path, name: str, mode: str) -> float | None:
 
 
 def written_files(out: Path, name: str, since: float) -> list[str]:
-    """The result files ``<out>/<name>.*`` the run wrote (modified since it started)."""
+    """The result files ``<out>/<name>.*`` and ``<out>/<name>_<variant>.*`` (nsa_module's ``_smoke``) the run
+    wrote (modified since it started); another subject's files (``moe_layer.json`` beside ``moe``) are not
+    its own."""
     if not out.is_dir():
         return []
-    return sorted(str(p) for p in out.glob(f"{name}.*") if p.is_file() and p.stat().st_mtime >= since - 1)
+    longer = [s for s in SUBJECTS if s != name and s.startswith(name + "_")]
+
+    def own(p: Path) -> bool:
+        n = p.name
+        return (n.startswith(name + ".") or n.startswith(name + "_")) and \
+            not any(n.startswith(s + ".") or n.startswith(s + "_") for s in longer)
+
+    return sorted(str(p) for p in out.iterdir() if own(p) and p.is_file() and p.stat().st_mtime >= since - 1)
 
 
 def run(args: argparse.Namespace) -> int:
