@@ -98,15 +98,25 @@ def report_dir(args: argparse.Namespace) -> Path:
     return Path(args.out) if args.out is not None else RESULTS_DIR
 
 
+def read_runs(path: Path):
+    """The runs recorded in ``path``; a missing file ends the process with a message naming it (``--report`` /
+    ``--spread`` of an ``--out DIR`` that holds no run), not a traceback."""
+    path = Path(path)
+    if not path.is_file():
+        raise SystemExit(f"{path}: no such results file (--report / --spread read the runs --out DIR holds, "
+                         f"else {RESULTS_DIR}: run the benchmark with that --out first)")
+    return json.loads(path.read_text())
+
+
 def last_record(path: Path) -> dict:
-    runs = json.loads(Path(path).read_text())
+    runs = read_runs(path)
     return runs[-1] if isinstance(runs, list) else runs
 
 
 def spread_table(path: Path, keys: tuple[str, ...], metrics: tuple[str, ...]) -> str:
     """Markdown: for the last two runs of the same mode in ``path``, each metric's two medians (ms) and
     their relative difference ``|a - b| / min(a, b)``, row by row (rows matched on ``keys``)."""
-    runs = json.loads(Path(path).read_text())
+    runs = read_runs(path)
     mode = runs[-1]["mode"]
     same = [r for r in runs if r["mode"] == mode]
     if len(same) < 2:

@@ -89,3 +89,11 @@ def test_out_dir_default_is_the_working_directory_and_record_is_on_purpose():
     assert _common.report_dir(p.parse_args(["--report"])) == _common.RESULTS_DIR
     with pytest.raises(SystemExit):
         p.parse_args(["--record", "--out", "/tmp/x"])
+
+
+@pytest.mark.parametrize("read", [_common.last_record,
+                                  lambda p: _common.spread_table(p, ("H",), ("ours_s",))])
+def test_report_of_a_folder_without_results_names_the_file(tmp_path, read):
+    """`python benchmarks/nsa.py --report --out DIR` with no nsa.json in DIR: a message naming it, no traceback."""
+    with pytest.raises(SystemExit, match="nsa.json: no such results file"):
+        read(tmp_path / "nsa.json")
