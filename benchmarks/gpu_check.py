@@ -58,6 +58,9 @@ TRAIN_ARGV = ["--steps", "{steps}", "--eval-sequences", "0", "--json", "{out}/tr
 #: seconds for each subprocess row, each also cut to what is left of ``--budget``
 TIMEOUTS = {"train": 120, "nsa_bench": 180, "nsa_tests": 120}
 
+#: where a run writes without --out or $OUT: beside the other benchmarks' results, ignored by git
+DEFAULT_OUT = Path("sparseops-results") / "gpu_check"
+
 #: the whole check's default budget in seconds (under 8 minutes on one H200 with the start-up around it)
 BUDGET_S = 450
 
@@ -393,8 +396,8 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu", action="store_true", help="run on the CPU at tiny sizes (the plumbing; tests)")
-    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_check_out")),
-                   help="folder for gpu_check.json and the subprocess logs (default $OUT, else ./gpu_check_out)")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", DEFAULT_OUT)),
+                   help=f"folder for gpu_check.json and the subprocess logs (default $OUT, else ./{DEFAULT_OUT})")
     p.add_argument("--only", nargs="+", metavar="WORD", default=None,
                    help="run only the rows whose name contains one of these words")
     p.add_argument("--budget", type=float, default=BUDGET_S, metavar="S",

@@ -76,3 +76,15 @@ def test_gpu_check_without_cuda_says_so(capsys):
 
 def test_gpu_check_sh_parses():
     assert subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_check.sh")], timeout=30).returncode == 0
+
+
+def test_default_out_is_ignored_by_git():
+    """`python benchmarks/gpu_check.py --cpu` from the checkout leaves `git status` clean (it wrote ./gpu_check_out)."""
+    try:
+        r = subprocess.run(["git", "check-ignore", "-q", str(gpu_check.DEFAULT_OUT / "gpu_check.json")], cwd=ROOT,
+                           timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip("no git")
+    if r.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert r.returncode == 0, f"{gpu_check.DEFAULT_OUT} is not ignored by git"
