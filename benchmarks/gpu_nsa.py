@@ -338,11 +338,20 @@ def git_commit():
         return "unknown"
 
 
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_nsa.json"
+
+
+def output_path(out: str, smoke: bool) -> Path | None:
+    """Where the JSON goes: ``--out``; the CPU rehearsal only where ``--out`` says, since the default is the GPU
+    runs' recorded results (as gpu_moe.py)."""
+    return None if smoke and Path(out) == DEFAULT_OUT else Path(out)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="T = 8K and 32K only")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_nsa.json"))
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--tune", action="store_true", help="also time launch-setting variants at T=32K, G=16")
     ap.add_argument("--compile-check", action="store_true",
                     help="compile the kernels for a GPU without one and print shared memory / registers / spills")
@@ -359,8 +368,9 @@ def main():
     import triton
 
     t0 = time.time()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = output_path(args.out, smoke)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit(), "smoke": smoke,
@@ -371,7 +381,8 @@ def main():
     def save(stage):
         # written after every stage, so a run cut short by its time limit still leaves what it measured
         meta["stage"], meta["wall_s"] = stage, time.time() - t0
-        out.write_text(json.dumps(res, indent=1))
+        if out is not None:
+            out.write_text(json.dumps(res, indent=1))
 
     print("correctness: tiny shape vs float64 reference ...", flush=True)
     try:
@@ -467,7 +478,8 @@ def main():
     if args.tune:
         res["tune"] = tune(device, cfg, smoke, lambda t: (res.__setitem__("tune", t), save("tune")))
     save("done")
-    print(f"\nwrote {out} ({time.time() - t0:.0f}s)")
+    print(f"\nwrote {out} ({time.time() - t0:.0f}s)" if out is not None else
+          f"\n(--cpu-smoke without --out: nothing written; {time.time() - t0:.0f}s)")
 
 
 if __name__ == "__main__":

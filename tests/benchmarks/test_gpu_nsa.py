@@ -70,3 +70,14 @@ def test_gpu_nsa_compile_check_reports_every_variant():
         mp.setitem(_triton.SHARED_LIMIT, 86, 1024)  # a GPU with (much) less: every variant reported, none raised
         rows = gpu_nsa.compile_check(Gs=(2,), cfg=dict(N2=1, Dqk=32, Dv=16, bs=16, K=2), arch=86)
     assert [r["variant"] for r in rows if "error" in r] == ["forward", "backward", "deterministic", "DQ_ATOMIC"]
+
+
+def test_gpu_nsa_cpu_smoke_leaves_the_recorded_results_alone(tmp_path):
+    """`python benchmarks/gpu_nsa.py --cpu-smoke` (docs/nsa.md) wrote benchmarks/results/gpu_nsa.json, the GPU runs'
+    record; the rehearsal writes only where --out says, a GPU run to the default."""
+    pytest.importorskip("triton")
+    from benchmarks import gpu_nsa
+
+    assert gpu_nsa.output_path(str(gpu_nsa.DEFAULT_OUT), smoke=True) is None
+    assert gpu_nsa.output_path(str(gpu_nsa.DEFAULT_OUT), smoke=False) == gpu_nsa.DEFAULT_OUT
+    assert gpu_nsa.output_path(str(tmp_path / "x.json"), smoke=True) == tmp_path / "x.json"
