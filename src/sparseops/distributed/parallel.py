@@ -383,8 +383,26 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, data_parallel: str = "f
         # DDP built now, not at the first forward (replicate's default): it keeps the parameters that require a
         # gradient when it is built, so one frozen before the first forward would never be all-reduced once thawed
         replicate.state(model).lazy_init()
+    _flatten_expert_dims(layers, device_type, dims._meshes[device_type]["expert"], timeout)
     setattr(model, _MARK, f"{dims}, data_parallel={data_parallel!r}")
     return model
+
+
+def _flatten_expert_dims(layers, device_type: str, expert_mesh, timeout) -> None:
+    """A flattened mesh over the dimensions the experts are sharded on (FSDP's and ``ep``), so that a reduction
+    over both (the gradient norm's ``full_tensor``) is one collective, not one per dimension, which DTensor warns
+    of; the flattened group gets the layout's ``timeout`` too."""
+    from torch.distributed.tensor import DTensor
+
+    w = next((p for la in layers for p in la.experts.parameters()), None)
+    if not isinstance(w, DTensor):
+        return
+    names = tuple(w.device_mesh.mesh_dim_names[i] for i, p in enumerate(w.placements) if p.is_shard())
+    if len(names) > 1:
+        if timeout is not None and not isinstance(timeout, datetime.timedelta):
+            timeout = datetime.timedelta(seconds=float(timeout))
+        override = _overrides(device_type, timeout, 1)
+        expert_mesh[names]._flatten(backend_override=override[0] if override else None)
 
 
 def materialize(model: nn.Module, device: torch.device | str, state_dict: dict | None = None, *,

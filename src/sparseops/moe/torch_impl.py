@@ -97,8 +97,8 @@ def _empty_rows(n: int, H: int, dtype: torch.dtype, device: torch.device) -> tor
         return torch.empty(n, H, dtype=dtype, device=device)
     if knobs.pool_bytes > 0:
         block = workspace.POOL.take(nbytes, knobs.pool_bytes, lambda size: _advised(torch.empty(size, dtype=torch.uint8)))
-        if block is not None:
-            return block.view(dtype).view(n, H)
+        if block is not None:  # on the block's storage, not a view of the block (the pool counts storage uses)
+            return torch.empty(0, dtype=dtype).set_(block.untyped_storage(), 0, (n, H))
     return _advised(torch.empty(n, H, dtype=dtype, device=device))
 
 

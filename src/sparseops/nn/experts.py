@@ -37,12 +37,15 @@ SETTINGS = Settings(ExpertSettings())
 
 
 def _empty(shape, like: torch.Tensor) -> torch.Tensor:
-    """An uninitialised buffer; large CPU ones are recycled blocks (moe.md, "CPU performance": no page faults)."""
+    """An uninitialised buffer; large CPU ones are recycled blocks (moe.md, "CPU performance": no page faults).
+    A 2-D one is not a view: the experts' output is one, and FSDP2 warns of a module output that is a view (an
+    in-place op on it would drop FSDP's pre-backward hook)."""
     shape = tuple(shape)
     n = 1
     for d in shape[:-1]:
         n *= d
-    return _empty_rows(n, shape[-1], like.dtype, like.device).view(shape)
+    rows = _empty_rows(n, shape[-1], like.dtype, like.device)
+    return rows if len(shape) == 2 else rows.view(shape)
 
 
 def _grouped_fn():
