@@ -221,6 +221,9 @@ def _resume_with_other_micro_batches(tmp_path: Path, capsys, m2_loss: list[float
     assert read_values(ck / "step_4", ["train.settings.micro-batches"]) == {"train.settings.micro-batches": 4}
     spec = build_spec(build_parser().parse_args(["train", "--resume", str(ck)]), 1)
     assert spec.micro_batches == 4 and spec.resumed_micro_batches is None
+    assert spec.dtype == torch.float64  # the checkpoint's --dtype, left out; given, it may change (DCP casts)
+    assert build_spec(build_parser().parse_args(["train", "--resume", str(ck), "--dtype", "float32"]),
+                      1).dtype == torch.float32
 
 
 def test_config_argv_spells_out_every_setting():

@@ -5,11 +5,12 @@ A checkpoint holds the flags that define what the run computes beyond the tensor
 ``LMConfig`` flag and ``--attention``), ``--dsa-dense-steps`` (the stage of each step), the recall task or the token
 file's ``--data-dtype`` (how its bytes are read: the file records none), ``--seq-len``, ``--seed`` (the token file's
 order, the recall evaluation), ``--global-batch`` (the token file's position is counted in steps) and
-``--micro-batches`` (the aux loss is the mean of the micro-batches'), under ``train.settings.<flag>``. On
-``--resume`` a flag left out takes the checkpoint's value; one given with another value is refused (the run would
-silently compute something else than the run it continues), but for ``--micro-batches``: a relaunch on fewer ranks
-raises ``M`` to keep each rank's memory, so a resume may change it (the run uses the new ``M`` from the resumed step
-on, rank 0 says so once, its checkpoints record it). Checkpoints written before the settings were recorded carry
+``--micro-batches`` (the aux loss is the mean of the micro-batches') and ``--dtype``, under
+``train.settings.<flag>``. On ``--resume`` a flag left out takes the checkpoint's value; one given with another
+value is refused (the run would silently compute something else than the run it continues), but for
+``--micro-batches``: a relaunch on fewer ranks raises ``M`` to keep each rank's memory, so a resume may change it
+(the run uses the new ``M`` from the resumed step on, rank 0 says so once, its checkpoints record it); and
+``--dtype``, which DCP's load casts to. Checkpoints written before the settings were recorded carry
 none: only their shapes are checked. ``--auto-resume`` resumes from the ``--save`` DIR when it holds a complete
 checkpoint, with the same checks (:func:`resume_source`). Every message about the resumed checkpoint names the flag
 it came from (``--resume`` or ``--auto-resume``: :func:`resume_flag`), passed down as ``flag``.
@@ -34,7 +35,7 @@ def recorded_flags(model_fields: tuple[str, ...], recall: dict[str, str]) -> dic
     flags["dsa-dense-steps"] = "dsa_dense_steps"
     flags.update({f"recall-{flag}": f"recall_{name}" for name, flag in recall.items()})
     flags.update({"data-dtype": "data_dtype", "seq-len": "seq_len", "seed": "seed", "global-batch": "global_batch",
-                  "micro-batches": "micro_batches"})
+                  "micro-batches": "micro_batches", "dtype": "dtype"})
     return flags
 
 
@@ -49,7 +50,7 @@ def settings(spec, model_fields: tuple[str, ...], recall: dict[str, str]) -> dic
         out["data-dtype"] = spec.data_dtype
     out["seq-len"] = spec.task.seq_len if spec.task is not None else spec.seq_len
     out.update({"seed": spec.optim.seed, "global-batch": spec.optim.batch_size,
-                "micro-batches": spec.micro_batches})
+                "micro-batches": spec.micro_batches, "dtype": str(spec.dtype).removeprefix("torch.")})
     return out
 
 
@@ -97,10 +98,10 @@ def read_values(path: str, keys: list[str], bad: type[Exception], flag: str) -> 
 def take_settings(args: argparse.Namespace, path: str, model_fields: tuple[str, ...], recall: dict[str, str],
                   bad: type[Exception], flag: str) -> int | None:
     """The flags left out take the checkpoint's recorded values; one given with another value raises ``bad``, but
-    ``--micro-batches``, which may change. The first look at the checkpoint: ``read_metadata``'s checks (a
-    ``.metadata`` that reads, shards that hold its bytes) make a damaged one ``bad`` naming the file. ``flag``:
-    the one the checkpoint came from (``--resume`` or ``--auto-resume``), named in the messages. Returns the
-    checkpoint's ``M`` (None: not recorded)."""
+    ``--micro-batches`` and ``--dtype``, which may change. The first look at the checkpoint: ``read_metadata``'s
+    checks (a ``.metadata`` that reads, shards that hold its bytes) make a damaged one ``bad`` naming the file.
+    ``flag``: the one the checkpoint came from (``--resume`` or ``--auto-resume``), named in the messages.
+    Returns the checkpoint's ``M`` (None: not recorded)."""
     from ..distributed.checkpoint import read_metadata
 
     try:
@@ -118,6 +119,9 @@ def take_settings(args: argparse.Namespace, path: str, model_fields: tuple[str, 
     micro = saved.pop("micro-batches", None)
     if args.micro_batches is None:
         args.micro_batches = micro
+    dtype = saved.pop("dtype", None)  # may change too: DCP casts the saved values to the run's dtype
+    if args.dtype is None:
+        args.dtype = dtype
     take_saved(args, saved, flags, path, bad, nullable=frozenset({"model_rope_theta"}), flag=flag)
     return micro
 

@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from . import _flags, _group, _resume
+from . import _flags, _group, _report, _resume
 from ._flags import adamw_problem, memory_bytes, outputs_problem, seed_problem, torchrun_env, write_json
 from ._resume import LEFT_OUT
 
@@ -63,8 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block's activations in the backward (torch's checkpoint_wrapper): less "
                         "memory, the same losses")
-    g.add_argument("--dtype", choices=("float32", "float64"), default="float32",
-                   help="of the parameters, gradients, optimizer state and checkpoints")
+    g.add_argument("--dtype", choices=("float32", "float64"), default=None,
+                   help="of the parameters, gradients, optimizer state and checkpoints (default float32; with "
+                        "--resume the checkpoint's, which it may change: the saved values are cast)")
     g.add_argument("--autocast", choices=("bfloat16",), default=None,
                    help="forward under torch.autocast in this dtype (mixed precision with --dtype float32; the "
                         "routing, losses and gradient reductions stay in fp32)")
@@ -203,9 +204,6 @@ def build_spec(args: argparse.Namespace, world: int):
     problem = seed_problem(args.seed) if args.seed is not None else None  # what torch's generators take
     if problem:
         raise _Bad(problem)
-    if args.autocast is not None and args.dtype != "float32":  # autocast leaves float64 as it is: a silent no-op
-        raise _Bad(f"--autocast: expected --dtype float32 with it (the fp32 weights autocast casts), got --dtype "
-                   f"{args.dtype}")
     if args.save_every is not None and args.save is None:
         raise _Bad("--save-every: expected --save DIR with it, got no --save")
     if args.vocab_size is not None and args.data is None:
@@ -230,6 +228,10 @@ def build_spec(args: argparse.Namespace, world: int):
         except ValueError as exc:
             raise _Bad(str(exc)) from None
         saved_micro = _resume.take_settings(args, os.fspath(resume), _MODEL_INT + _MODEL_FLOAT, _RECALL, _Bad, flag)
+    args.dtype = args.dtype or "float32"  # with a resume, take_settings gave it the checkpoint's
+    if args.autocast is not None and args.dtype != "float32":  # autocast leaves float64 as it is: a silent no-op
+        raise _Bad(f"--autocast: expected --dtype float32 with it (the fp32 weights autocast casts), got --dtype "
+                   f"{args.dtype}")
     task, model, optim = demo_setup()
     given = {k: getattr(args, f.replace("-", "_")) for k, f in _OPTIM.items()}
     optim = dataclasses.replace(optim, **{k: v for k, v in given.items() if v is not None})
@@ -397,26 +399,6 @@ def config_argv(task, model, optim) -> list[str]:
     return argv
 
 
-def _result_json(args, spec, world: int, result: dict, error: str | None) -> dict:
-    return {"steps": result.get("steps", []), "loss": result.get("loss", []),
-            "resumed_from": result.get("resumed_from"), "world_size": world,
-            "dims": spec.layout.dims(), "data_parallel": spec.layout.data_parallel,
-            "dtype": args.dtype, "autocast": args.autocast, "attention": spec.model.attention,
-            "dsa_dense_steps": spec.dsa_dense_steps, "micro_batches": spec.micro_batches,
-            "activation_checkpointing": spec.activation_checkpointing,
-            "data": args.data or "recall", "recall": result.get("recall"),
-            "checkpoints": result.get("checkpoints", []), "seconds": result.get("seconds"), "error": error}
-
-
-def _header(args, spec, world: int, device_type: str) -> str:
-    return (f"sparseops train: {world} rank(s), {spec.layout.dims()} {spec.layout.data_parallel}, "
-            f"{spec.optim.steps} steps x {spec.optim.batch_size} sequences"
-            + (f" in {spec.micro_batches} micro-batches" if spec.micro_batches > 1 else "") + f", {args.dtype}"
-            + (f" under autocast {args.autocast}" if args.autocast else "") + f" on {device_type}"
-            + (f", DSA dense warm-up for {spec.dsa_dense_steps} steps" if spec.dsa_dense_steps else "")
-            + (f", resuming from {spec.resume}" if spec.resume else ""))
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         env = torchrun_env()
@@ -463,7 +445,7 @@ def run(args: argparse.Namespace) -> int:
         if env is not None:
             _group.join(device, spec.comm_timeout, world)
         if rank == 0:
-            print(_header(args, spec, world, device.type), flush=True)
+            print(_report.header(args, spec, world, device.type), flush=True)
             for notice in filter(None, (_resume.auto_resume_notice(args, spec), _resume.micro_batches_notice(spec))):
                 print(notice, flush=True)
         if env is not None:  # every rank decided the resumed step from the files: the same one?
@@ -476,7 +458,7 @@ def run(args: argparse.Namespace) -> int:
         error, status = str(exc), 1
         print(f"sparseops train: rank {rank}: {exc}", file=sys.stderr, flush=True)
     if rank == 0 and args.json:
-        problem = write_json(Path(args.json), _result_json(args, spec, world, result, error))
+        problem = write_json(Path(args.json), _report.result_json(args, spec, world, result, error))
         if problem:
             print(f"sparseops train: --json: {problem}", file=sys.stderr, flush=True)
             status = status or 1
