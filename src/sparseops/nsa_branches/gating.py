@@ -19,7 +19,13 @@ class _GatedSum(torch.autograd.Function):
     def forward(ctx, gates, *outs):
         o = outs[0] * gates[..., 0:1]
         for c in range(1, len(outs)):
-            o.addcmul_(outs[c], gates[..., c:c + 1])
+            if torch.compiler.is_compiling():
+                # traced, out of place (Inductor fuses the sum anyway): under torch 2.11's dynamo an in-place
+                # op on the returned tensor routes its gradient to the wrong node, and every input's is 0
+                # (pytorch/pytorch#180642)
+                o = o + outs[c] * gates[..., c:c + 1]
+            else:
+                o.addcmul_(outs[c], gates[..., c:c + 1])
         ctx.save_for_backward(gates, *outs)
         return o
 
