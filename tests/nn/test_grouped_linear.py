@@ -121,3 +121,22 @@ def test_create_graph_then_a_second_derivative_is_a_clear_error():
     (dx,) = torch.autograd.grad(grouped_linear(x, w, [2, 0, 3]).sum(), x, create_graph=True)  # dx depends on w
     with pytest.raises(RuntimeError, match="grouped_linear is not differentiable twice"):
         dx.sum().backward()
+
+
+def test_compiled_with_bias_matches_the_loop():
+    """Traced by dynamo, the bias rows are added out of place: under torch 2.11 an in-place add to the returned
+    tensor leaves every gradient wrong (pytorch/pytorch#180642)."""
+    counts, E, C, N = [3, 0, 2], 3, 4, 5
+    g = torch.Generator().manual_seed(1)
+    x, w, b = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((5, C), (E, N, C), (E, N)))
+    gy = torch.randn(5, N, generator=g, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    fn = torch.compile(lambda x, w, b: grouped_linear(x, w, counts, bias=b), fullgraph=True, backend="eager")
+    y = fn(*leaves)
+    got = torch.autograd.grad((y * gy).sum(), leaves)
+    ref_leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    ref = _oracle(*ref_leaves, counts, False)
+    want = torch.autograd.grad((ref * gy).sum(), ref_leaves)
+    assert_close(y, ref, torch.float64, "y")
+    for name, a, e in zip(["x", "w", "bias"], got, want):
+        assert_close(a, e, torch.float64, f"{name}.grad")

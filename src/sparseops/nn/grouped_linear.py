@@ -47,7 +47,12 @@ class _GroupedLinear(torch.autograd.Function):
         w_nc = w.transpose(-2, -1) if transposed else w  # [E, N, C], a view
         out = _mm_rows(x, w_nc, counts, offs, _empty((R, w_nc.shape[1]), x), grouped)
         if bias is not None:
-            out.add_(_bias_rows(bias, counts, R))
+            if torch.compiler.is_compiling():
+                # traced, out of place: under torch 2.11's dynamo an in-place op on the returned tensor leaves
+                # every input's gradient wrong (pytorch/pytorch#180642; nsa_branches/gating.py)
+                out = out + _bias_rows(bias, counts, R)
+            else:
+                out.add_(_bias_rows(bias, counts, R))
         ctx.save_for_backward(x, w)
         ctx.counts, ctx.offs, ctx.transposed, ctx.grouped = counts, offs, transposed, grouped
         ctx.has_bias = bias is not None
