@@ -224,6 +224,8 @@ def _resume_with_other_micro_batches(tmp_path: Path, capsys, m2_loss: list[float
     assert spec.dtype == torch.float64  # the checkpoint's --dtype, left out; given, it may change (DCP casts)
     assert build_spec(build_parser().parse_args(["train", "--resume", str(ck), "--dtype", "float32"]),
                       1).dtype == torch.float32
+    with pytest.raises(ValueError, match=r"got --dtype float64 \(the checkpoint's, which --resume keeps\)$"):
+        build_spec(build_parser().parse_args(["train", "--resume", str(ck), "--autocast", "bfloat16"]), 1)
 
 
 def test_config_argv_spells_out_every_setting():

@@ -220,7 +220,7 @@ def build_spec(args: argparse.Namespace, world: int):
     if args.device == "cuda" and not torch.cuda.is_available():
         raise _Bad("--device: expected a machine where torch sees CUDA for 'cuda', got none "
                    "(torch.cuda.is_available() is False)")
-    resume, resumed, given_micro, saved_micro = None, 0, args.micro_batches, None
+    resume, resumed, given_micro, saved_micro, given_dtype = None, 0, args.micro_batches, None, args.dtype
     flag = _resume.resume_flag(args)  # named in every message about the checkpoint
     if (source := _resume.resume_source(args, _Bad)) is not None:
         try:
@@ -228,10 +228,11 @@ def build_spec(args: argparse.Namespace, world: int):
         except ValueError as exc:
             raise _Bad(str(exc)) from None
         saved_micro = _resume.take_settings(args, os.fspath(resume), _MODEL_INT + _MODEL_FLOAT, _RECALL, _Bad, flag)
+    kept = f" (the checkpoint's, which {flag} keeps)" if given_dtype is None and args.dtype is not None else ""
     args.dtype = args.dtype or "float32"  # with a resume, take_settings gave it the checkpoint's
     if args.autocast is not None and args.dtype != "float32":  # autocast leaves float64 as it is: a silent no-op
         raise _Bad(f"--autocast: expected --dtype float32 with it (the fp32 weights autocast casts), got --dtype "
-                   f"{args.dtype}")
+                   f"{args.dtype}{kept}")
     task, model, optim = demo_setup()
     given = {k: getattr(args, f.replace("-", "_")) for k, f in _OPTIM.items()}
     optim = dataclasses.replace(optim, **{k: v for k, v in given.items() if v is not None})
