@@ -253,19 +253,26 @@ def _nsa_module(ctx: dict) -> NativeSparseAttention:
     return m
 
 
-def _nsa_run(mod, x0, dy, cu, dev, dt, autocast: bool = False):
-    """One forward (under ``torch.autocast(bf16)`` with ``autocast``) and backward of the module; on the CPU."""
+def _nsa_run(mod, x0, dy, cu, dev, dt, autocast: bool = False, compiled: bool = False):
+    """One forward (under ``torch.autocast(bf16)`` with ``autocast``) and backward of the module; on the CPU.
+    ``compiled``: under ``torch.compile`` (Inductor on CUDA, ``aot_eager`` on the CPU: dynamo's tracing is the
+    same), the lengths a list so that every branch and the gated sum are traced (docs/nsa-module.md)."""
     x = x0.to(dev, dt, copy=True).requires_grad_(True)  # a copy: x0 itself stays a plain input
+    run = mod
+    if compiled:
+        torch._dynamo.reset()
+        run = torch.compile(mod, backend="inductor" if dev.type == "cuda" else "aot_eager")
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
-        y, info = mod(x, torch.tensor(cu, dtype=torch.int32, device=dev), return_info=True)
+        y, info = run(x, list(cu) if compiled else torch.tensor(cu, dtype=torch.int32, device=dev), return_info=True)
     y.backward(dy.to(dev, y.dtype))
     return y.detach().cpu(), x.grad.cpu(), {n: p.grad.cpu() for n, p in mod.named_parameters()}, info
 
 
-def check_nsa_module(ctx: dict, dtype: torch.dtype, autocast: bool = False):
+def check_nsa_module(ctx: dict, dtype: torch.dtype, autocast: bool = False, compiled: bool = False):
     """The module in ``dtype`` against itself in float64 on the CPU. ``autocast``: fp32 parameters under
     ``torch.autocast(bf16)`` against the float64 module on the bf16 values of x and the parameters, and whether
-    it computed what a bf16 copy computes (docs/nsa-module.md, "The module")."""
+    it computed what a bf16 copy computes (docs/nsa-module.md, "The module"). ``compiled``: under
+    ``torch.compile``, Inductor's kernels around the branches' custom ops on CUDA."""
     cu = ctx["sizes"]["nsa"]["cu"]
     ref_m = _nsa_module(ctx)
     g = torch.Generator().manual_seed(1)
@@ -277,7 +284,7 @@ def check_nsa_module(ctx: dict, dtype: torch.dtype, autocast: bool = False):
                 p.copy_(p.bfloat16())
         x0 = x0.bfloat16().double()
     m = copy.deepcopy(ref_m).to(ctx["device"], dtype)
-    y, gx, gp, info = _nsa_run(m, x0, dy, cu, ctx["device"], dtype, autocast)
+    y, gx, gp, info = _nsa_run(m, x0, dy, cu, ctx["device"], dtype, autocast, compiled)
     y_ref, gx_ref, gp_ref, info_ref = _nsa_run(ref_m, x0, dy, cu, torch.device("cpu"), torch.float64)
     copy_note = ""
     if autocast:
@@ -377,6 +384,7 @@ CHECKS = [
     ("NativeSparseAttention fp32 fwd+bwd", lambda c: check_nsa_module(c, torch.float32)),
     ("NativeSparseAttention bf16 fwd+bwd", lambda c: check_nsa_module(c, torch.bfloat16)),
     ("NativeSparseAttention fp32 under bf16 autocast", lambda c: check_nsa_module(c, torch.float32, autocast=True)),
+    ("NativeSparseAttention fp32 under torch.compile", lambda c: check_nsa_module(c, torch.float32, compiled=True)),
     *gpu_dsa.ROWS,
     ("sparseops train (a few steps)", check_train),
     ("NSA Triton benchmark (gpu_nsa.py --quick)", check_nsa_bench),

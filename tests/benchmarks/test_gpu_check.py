@@ -28,7 +28,7 @@ def test_gpu_check_cpu_rehearsal(tmp_path):
     assert list(rows) == [name for name, _ in gpu_check.CHECKS]
     for name in ("MoELayer fp32", "MoELayer bf16", "MoELayer fp32 under bf16 autocast", "MoELayer EP world size 1",
                  "MoELayer EP world size 2", "NativeSparseAttention fp32", "NativeSparseAttention bf16",
-                 "NativeSparseAttention fp32 under bf16 autocast"):
+                 "NativeSparseAttention fp32 under bf16 autocast", "NativeSparseAttention fp32 under torch.compile"):
         row = next(v for k, v in rows.items() if k.startswith(name))
         assert row["status"] == "ok" and 0 <= row["ratio"] <= 1, row
     assert "gloo" in rows["MoELayer EP world size 2"]["detail"]
