@@ -112,10 +112,7 @@ class ParallelDims:
             raise RuntimeError("ParallelDims.build: expected an initialized torch.distributed process group "
                                "(run under torchrun, or call init_process_group first)")
         dims = self.resolve(dist.get_world_size())
-        if timeout is not None and not isinstance(timeout, datetime.timedelta):
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-                raise ValueError(f"timeout: expected None, a timedelta or a number of seconds > 0, got {timeout!r}")
-            timeout = datetime.timedelta(seconds=float(timeout))
+        timeout = _timedelta(timeout)
         key = (device_type, timeout)
         if key not in dims._meshes:
             from torch.distributed.device_mesh import init_device_mesh
@@ -138,6 +135,15 @@ class ParallelDims:
         if name not in ("dense", "expert", "dp"):
             raise ValueError(f"name: expected 'dense', 'expert' or 'dp', got {name!r}")
         return dims._meshes[device_type][name]
+
+
+def _timedelta(timeout: datetime.timedelta | float | None) -> datetime.timedelta | None:
+    """A layout's ``timeout`` (a timedelta or seconds) as a timedelta; None stays None."""
+    if timeout is None or isinstance(timeout, datetime.timedelta):
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout: expected None, a timedelta or a number of seconds > 0, got {timeout!r}")
+    return datetime.timedelta(seconds=float(timeout))
 
 
 def _overrides(device_type: str, timeout: datetime.timedelta | None, ndim: int) -> dict | None:
@@ -383,7 +389,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, data_parallel: str = "f
         # DDP built now, not at the first forward (replicate's default): it keeps the parameters that require a
         # gradient when it is built, so one frozen before the first forward would never be all-reduced once thawed
         replicate.state(model).lazy_init()
-    _flatten_expert_dims(layers, device_type, dims._meshes[device_type]["expert"], timeout)
+    _flatten_expert_dims(layers, device_type, expert_mesh, timeout)
     setattr(model, _MARK, f"{dims}, data_parallel={data_parallel!r}")
     return model
 
@@ -399,9 +405,7 @@ def _flatten_expert_dims(layers, device_type: str, expert_mesh, timeout) -> None
         return
     names = tuple(w.device_mesh.mesh_dim_names[i] for i, p in enumerate(w.placements) if p.is_shard())
     if len(names) > 1:
-        if timeout is not None and not isinstance(timeout, datetime.timedelta):
-            timeout = datetime.timedelta(seconds=float(timeout))
-        override = _overrides(device_type, timeout, 1)
+        override = _overrides(device_type, _timedelta(timeout), 1)
         expert_mesh[names]._flatten(backend_override=override[0] if override else None)
 
 
