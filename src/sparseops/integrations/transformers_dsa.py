@@ -125,11 +125,13 @@ def _packed(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
 
 
-def indexer_inputs(attn: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings) -> tuple:
+def indexer_inputs(attn: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings,
+                   params: dict[str, torch.Tensor] | None = None) -> tuple:
     """``(q_idx [B*S, Hi, Di], k_idx [B*S, Di], weights [B*S, Hi])`` of a transformers DSA attention module's
     indexer, differentiable in the indexer's parameters: its math (RoPE on the first ``qk_rope_head_dim`` dims,
     ``softmax_scale`` folded into ``q_idx``, ``n_heads^-0.5`` into ``weights``) with the indexer's input
-    ``hidden_states`` and the query residual ``q_a_layernorm(q_a_proj(hidden_states))`` detached."""
+    ``hidden_states`` and the query residual ``q_a_layernorm(q_a_proj(hidden_states))`` detached. ``params``
+    (names relative to the indexer) replace the indexer's own parameters of those names."""
     ix = attn.indexer
     name = _INDEXER_ROPE.get(type(ix).__name__)
     if name is None:
@@ -140,15 +142,47 @@ def indexer_inputs(attn: torch.nn.Module, hidden_states: torch.Tensor, position_
     h = hidden_states.detach()
     with torch.no_grad():
         q_resid = attn.q_a_layernorm(attn.q_a_proj(h))
+
+    def call(sub: str, x: torch.Tensor) -> torch.Tensor:
+        own = {n[len(sub) + 1:]: p for n, p in (params or {}).items() if n.startswith(sub + ".")}
+        return torch.func.functional_call(getattr(ix, sub), own, (x,), strict=False) if own else getattr(ix, sub)(x)
+
     H, D, R = ix.n_heads, ix.head_dim, ix.qk_rope_head_dim
-    q = ix.wq_b(q_resid).view(B, S, H, D)
-    k = ix.k_norm(ix.wk(h)).unsqueeze(2)
+    q = call("wq_b", q_resid).view(B, S, H, D)
+    k = call("k_norm", call("wk", h)).unsqueeze(2)
     cos, sin = position_embeddings
     q_rot, k_rot = rope(q[..., :R], k[..., :R], cos, sin, unsqueeze_dim=2)
     q = torch.cat([q_rot, q[..., R:]], dim=-1) * ix.softmax_scale
     k = torch.cat([k_rot, k[..., R:]], dim=-1)
-    w = ix.weights_proj(h.to(ix.weights_proj.weight.dtype)) * H ** -0.5
+    w = call("weights_proj", h.to(ix.weights_proj.weight.dtype)) * H ** -0.5
     return q.reshape(B * S, H, D), k.reshape(B * S, D), w.reshape(B * S, H).to(q.dtype)
+
+
+def _fsdp_sharded(model: torch.nn.Module) -> dict[int, dict[str, torch.Tensor]]:
+    """Per DSA attention module (by id), its indexer's parameters that FSDP2 holds sharded (DTensors between
+    forwards), by name; ``{}`` without FSDP2."""
+    if not torch.distributed.is_available():
+        return {}
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(m, FSDPModule) for m in model.modules()):
+        return {}
+    return {id(m): {n: p for n, p in m.indexer.named_parameters() if isinstance(p, DTensor)}
+            for m in model.modules() if isinstance(getattr(m, "indexer", None), torch.nn.Module)}
+
+
+def _gathered(p: torch.Tensor) -> torch.Tensor:
+    """A sharded DTensor parameter whole on every rank (an all-gather), differentiable in it: the backward sums the
+    ranks' gradients into each rank's shard (a reduce-scatter) and divides by the ranks, FSDP2's mean over the
+    data-parallel ranks, so the gradient lands where FSDP2's would, on the sharded parameter."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    mesh = p.device_mesh
+    full = p.redistribute(mesh, [Replicate()] * mesh.ndim).to_local(grad_placements=[Partial()] * mesh.ndim)
+    ranks = mesh.size()
+    full.register_hook(lambda g: g / ranks)
+    return full
 
 
 def _in_backward() -> bool:
@@ -179,10 +213,13 @@ class indexer_training(contextlib.AbstractContextManager):  # noqa: N801  (used 
     the indexers only. The model must run ``attn_implementation="sparseops"`` on unpadded batches
     (``attention_mask`` None or all ones; a padded or packed mask is a ``ValueError``), without a cache.
 
-    Each layer's loss is computed in its attention call (FSDP2 holds the layer's parameters unsharded there), its
-    saved tensors out of a non-reentrant activation checkpoint's count; in a reentrant checkpoint's ``no_grad``
-    forward it is computed when ``model``'s forward returns (or at the context's exit), so that it has gradients.
-    The layers' forwards that a checkpoint reruns in the backward add nothing.
+    Each layer's loss is computed in its attention call, its saved tensors out of a non-reentrant activation
+    checkpoint's count; in a reentrant checkpoint's ``no_grad`` forward it is computed when ``model``'s forward
+    returns (or at the context's exit), so that it has gradients. The layers' forwards that a checkpoint reruns in
+    the backward add nothing. Under FSDP2 every loss is computed in the attention call, on the indexer's
+    parameters gathered whole from their shards (one more all-gather of the indexer per layer, kept until the
+    backward): its backward, alone or with the LM loss, needs no parameter FSDP2 has freed, and leaves the mean of
+    the ranks' gradients on the sharded parameters, as FSDP2 does (docs/dsa.md, "Training the indexer").
     """
 
     def __init__(self, model: torch.nn.Module, *, dense: bool = False):
@@ -193,6 +230,7 @@ class indexer_training(contextlib.AbstractContextManager):  # noqa: N801  (used 
         self.losses: list[torch.Tensor] = []
         self._inputs: dict[int, tuple] = {}
         self._pending: list[tuple] = []
+        self._sharded: dict[int, dict[str, torch.Tensor]] = {}
         self._hooks = []
 
     def __enter__(self) -> list[torch.Tensor]:
@@ -200,6 +238,7 @@ class indexer_training(contextlib.AbstractContextManager):  # noqa: N801  (used 
             if isinstance(getattr(mod, "indexer", None), torch.nn.Module):
                 self._hooks.append(mod.register_forward_pre_hook(self._capture, with_kwargs=True))
         self._hooks.append(self.model.register_forward_hook(lambda *_: self._flush()))
+        self._sharded = _fsdp_sharded(self.model)
         _TRAINING.append(self)
         return self.losses
 
@@ -214,6 +253,7 @@ class indexer_training(contextlib.AbstractContextManager):  # noqa: N801  (used 
         finally:
             self._inputs.clear()
             self._pending.clear()
+            self._sharded.clear()
 
     def _capture(self, mod, args, kwargs):
         if _in_backward():
@@ -231,16 +271,24 @@ class indexer_training(contextlib.AbstractContextManager):  # noqa: N801  (used 
             raise ValueError("attention_mask: indexer_training expects unpadded batches (attention_mask None or all "
                              "ones: a causal mask), got a mask that hides past keys (padding or packed sequences)")
         hs, pe = self._inputs.pop(id(mod))
+        sharded = self._sharded.get(id(mod))
+        if sharded:  # FSDP2: the loss here, on the indexer's parameters gathered whole from their shards, so that
+            # its backward, wherever it runs, needs none of the parameters FSDP2 frees after the layer and sends
+            # the gradients to the sharded parameters; with grad also in a reentrant checkpoint's no_grad forward
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+                params = {n: _gathered(p) for n, p in sharded.items()}
+                self.losses.append(self._loss(mod, q.detach(), k.detach(), scale, B, S, hs, pe, params))
+            return
         if not torch.is_grad_enabled():  # a reentrant checkpoint's no_grad forward: the loss after the model's
             self._pending.append((mod, q.detach(), k.detach(), scale, B, S, hs, pe))
             return
-        # here, inside the layer (FSDP2 holds its parameters unsharded); its saved tensors kept as they are, out of
-        # a non-reentrant checkpoint's count (its recomputation computes no loss)
+        # here, inside the layer; its saved tensors kept as they are, out of a non-reentrant checkpoint's count (its
+        # recomputation computes no loss)
         with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
             self.losses.append(self._loss(mod, q.detach(), k.detach(), scale, B, S, hs, pe))
 
-    def _loss(self, mod, q, k, scale, B, S, hs, pe) -> torch.Tensor:
-        q_idx, k_idx, w = indexer_inputs(mod, hs, pe)
+    def _loss(self, mod, q, k, scale, B, S, hs, pe, params=None) -> torch.Tensor:
+        q_idx, k_idx, w = indexer_inputs(mod, hs, pe, params)
         cu = [S * b for b in range(B + 1)]
         if self.dense:
             return indexer_dense_kl_loss(q, k, q_idx, k_idx, w, scale=scale, head_num=q.shape[1], cu_seqlens=cu)
@@ -260,8 +308,9 @@ class indexer_training(contextlib.AbstractContextManager):  # noqa: N801  (used 
         for args in pending:
             if any(hasattr(p, "to_local") for p in args[0].indexer.parameters()):
                 raise ValueError("indexer_training: a layer ran under no_grad (a reentrant activation checkpoint) with "
-                                 "its indexer's parameters sharded (FSDP2 reshards them after the layer), so its loss "
-                                 "has no parameters to run on: use use_reentrant=False (transformers' default)")
+                                 "its indexer's parameters DTensors outside FSDP2 (whose shards it gathers), so its "
+                                 "loss cannot run on them after the forward: use use_reentrant=False (transformers' "
+                                 "default)")
             self.losses.append(self._loss(*args))
 
 
