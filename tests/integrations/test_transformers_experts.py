@@ -252,3 +252,26 @@ def test_import_sparseops_does_not_import_transformers():
     code = ("import sys, sparseops, sparseops.nn, sparseops.distributed; "
             "sparseops.moe_token_permute_with_ep; assert 'transformers' not in sys.modules, 'imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_inference_mode_and_a_call_with_no_tokens():
+    """Under ``torch.inference_mode()`` the model's logits are eager's; an experts call with no tokens (``[0, H]``)
+    returns ``[0, H]`` and, in training, zero gradients for every expert weight (each parameter always gets one)."""
+    model = tiny_model("qwen3_moe")
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        logits = {}
+        for impl in ("eager", "sparseops"):
+            model.set_experts_implementation(impl)
+            logits[impl] = model(input_ids=ids).logits
+    assert_close(logits["sparseops"], logits["eager"], torch.float64, "logits under inference_mode")
+    model.set_experts_implementation("sparseops")
+    experts = _experts_modules(model)[0]
+    H, K = model.config.hidden_size, model.config.num_experts_per_tok
+    x = torch.zeros(0, H, dtype=torch.float64, requires_grad=True)
+    experts.zero_grad(set_to_none=True)
+    y = experts(x, torch.zeros(0, K, dtype=torch.long), torch.zeros(0, K, dtype=torch.float64))
+    assert y.shape == (0, H)
+    y.sum().backward()
+    for n, p in experts.named_parameters():
+        assert p.grad is not None and not p.grad.any(), n
