@@ -275,8 +275,10 @@ class indexer_training(contextlib.AbstractContextManager):  # noqa: N801  (used 
         if sharded:  # FSDP2: the loss here, on the indexer's parameters gathered whole from their shards, so that
             # its backward, wherever it runs, needs none of the parameters FSDP2 frees after the layer and sends
             # the gradients to the sharded parameters; with grad also in a reentrant checkpoint's no_grad forward
+            # (in the dtype FSDP2's mixed precision gives the unsharded parameters, which the layer runs on now)
+            current = dict(mod.indexer.named_parameters())
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
-                params = {n: _gathered(p) for n, p in sharded.items()}
+                params = {n: _gathered(p).to(current[n].dtype) for n, p in sharded.items()}
                 self.losses.append(self._loss(mod, q.detach(), k.detach(), scale, B, S, hs, pe, params))
             return
         if not torch.is_grad_enabled():  # a reentrant checkpoint's no_grad forward: the loss after the model's
