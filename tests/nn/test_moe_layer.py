@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from sparseops.nn import MoELayer, update_expert_bias
+from sparseops.nn import MoELayer, SharedExpert, update_expert_bias
 from sparseops.nn.capacity import drop_to_sink
 from sparseops.nn.reference import moe_reference
 from sparseops.testing import assert_close, tolerance
@@ -215,6 +215,30 @@ def test_bad_input():
         layer(torch.ones(4, H, dtype=torch.int32))
     with pytest.raises(ValueError, match="x: expected a tensor with data, got one on the meta device"):
         MoELayer(H, F, E, 2, device="meta")(torch.randn(4, H, device="meta"))
+
+
+@pytest.mark.parametrize("args, kw, err, match", [
+    ((0, 4), {}, ValueError, "^hidden_size: expected >= 1, got 0"),
+    ((H, -1), {}, ValueError, "^ffn_size: expected >= 1, got -1"),
+    ((True, 4), {}, TypeError, "^hidden_size: expected an int, got bool"),
+    ((H, 4.0), {}, TypeError, "^ffn_size: expected an int, got float"),
+    ((H, 4), {"dtype": torch.int64}, TypeError, "^dtype: expected None or one of"),
+], ids=["hidden-0", "ffn-negative", "hidden-bool", "ffn-float", "dtype-int"])
+def test_shared_expert_bad_construction(args, kw, err, match):
+    with pytest.raises(err, match=match):
+        SharedExpert(*args, **kw)
+
+
+@pytest.mark.parametrize("x, err, match", [
+    ([[0.0] * H], TypeError, "^x: expected a torch.Tensor, got list"),
+    (torch.randn(3, H + 1), ValueError, rf"^x: expected shape \[\.\.\., H={H}\], got \[3, {H + 1}\]"),
+    (torch.tensor(1.0), ValueError, rf"^x: expected shape \[\.\.\., H={H}\], got \[\]"),
+    (torch.randn(3, H, dtype=torch.float64), TypeError, "^x: expected dtype torch.float32"),
+    (torch.ones(3, H, dtype=torch.int64), TypeError, "^x: expected dtype torch.float32"),
+], ids=["list", "width", "0-d", "float64", "int"])
+def test_shared_expert_bad_input(x, err, match):
+    with pytest.raises(err, match=match):
+        SharedExpert(H, 4)(x)
 
 
 @pytest.mark.parametrize("shared", [0, 4])

@@ -40,6 +40,9 @@ class SharedExpert(nn.Module):
 
     def __init__(self, hidden_size: int, ffn_size: int, *, device=None, dtype=None):
         super().__init__()
+        hidden_size = check_int("hidden_size", hidden_size, lo=1)
+        ffn_size = check_int("ffn_size", ffn_size, lo=1)
+        check_param_dtype(dtype)
         kw = {"device": device, "dtype": dtype}
         self.w1 = nn.Parameter(torch.empty(ffn_size, hidden_size, **kw))
         self.w3 = nn.Parameter(torch.empty(ffn_size, hidden_size, **kw))
@@ -52,6 +55,13 @@ class SharedExpert(nn.Module):
         nn.init.normal_(self.w2, std=self.w2.shape[1] ** -0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., H]`` in the weights' dtype (or an enclosing autocast's) -> ``[..., H]``."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+        H = self.w1.shape[1]
+        if x.dim() < 1 or x.shape[-1] != H:
+            raise ValueError(f"x: expected shape [..., H={H}], got {list(x.shape)}")
+        check_rows_dtype(x, self.w1)
         return F.linear(_act_fwd(F.linear(x, self.w1), F.linear(x, self.w3)), self.w2)
 
 
