@@ -210,3 +210,13 @@ def test_even_sizes(args, err, match):
     assert even_sizes(7, 3) == [2, 2, 3] and even_sizes(0, 2) == [0, 0] and even_sizes(1, 3) == [0, 0, 1]
     with pytest.raises(err, match=match):
         even_sizes(*args)
+
+
+@pytest.mark.parametrize("call", [lambda x: all_gather(x, group=1), lambda x: reduce_scatter(x, group=1),
+                                  lambda x: all_to_all(x, [3], [3], group=1), lambda x: split_rows(x, 1),
+                                  lambda x: gather_rows(x, 1)],
+                         ids=["all_gather", "reduce_scatter", "all_to_all", "split_rows", "gather_rows"])
+def test_group_that_is_not_a_process_group(call):
+    """One process, no process group: the type of ``group`` is checked before any collective."""
+    with pytest.raises(TypeError, match="^group: expected None or a torch.distributed.ProcessGroup, got int"):
+        call(torch.zeros(3, 2))

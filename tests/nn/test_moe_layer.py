@@ -184,6 +184,8 @@ def test_update_expert_bias_one_process():
         update_expert_bias(layer, rate=-1.0)
     with pytest.raises(TypeError, match="model: expected a torch.nn.Module, got list"):
         update_expert_bias([layer])
+    with pytest.raises(TypeError, match="^group: expected None or a torch.distributed.ProcessGroup, got int"):
+        update_expert_bias(layer, group=1)
 
 
 @pytest.mark.parametrize("kw, err, match", [
@@ -198,6 +200,7 @@ def test_update_expert_bias_one_process():
     ({"shared_ffn_size": -1}, ValueError, "shared_ffn_size"),
     ({"backend": "cuda"}, ValueError, "backend: expected one of"),
     ({"dtype": torch.int32}, TypeError, "dtype: expected None or one of"),
+    ({"ep_group": 1}, TypeError, "^ep_group: expected None or a torch.distributed.ProcessGroup, got int"),
 ])
 def test_bad_construction(kw, err, match):
     args = {"top_k": 2} | kw

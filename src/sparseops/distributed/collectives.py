@@ -35,8 +35,15 @@ from .._checks import check_int
 Group = Optional["dist.ProcessGroup"]
 
 
+def check_group(name: str, group) -> None:
+    """``group``: None or a ``torch.distributed.ProcessGroup`` (``TypeError`` naming ``name`` otherwise)."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{name}: expected None or a torch.distributed.ProcessGroup, got {type(group).__name__}")
+
+
 def group_size_rank(group: Group) -> tuple[int, int]:
     """``(world size, rank)`` of ``group`` (the default group when None)."""
+    check_group("group", group)
     return dist.get_world_size(group), dist.get_rank(group)
 
 

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .collectives import check_group
+
 
 class ExpertParallelModule(nn.Module):
     """A module whose ``experts`` hold ``num_experts`` experts split over ``ep_group`` (docs/training.md).
@@ -32,6 +34,7 @@ class ExpertParallelModule(nn.Module):
     def _init_expert_parallel(self, num_experts: int, ep_group: dist.ProcessGroup | None) -> None:
         """Set the group's fields from ``ep_group`` (None: one process holds every expert) and register the
         state-dict hooks; ``ValueError`` when the group's size does not divide ``num_experts``."""
+        check_group("ep_group", ep_group)
         ep, rank = (1, 0) if ep_group is None else (dist.get_world_size(ep_group), dist.get_rank(ep_group))
         if num_experts % ep:
             raise ValueError(f"ep_group: expected a group size that divides num_experts = {num_experts}, got {ep} "

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._checks import check_float
+from ..distributed.collectives import check_group
 from .router import TopKRouter
 
 
@@ -30,6 +31,7 @@ def update_expert_bias(model: nn.Module, rate: float = 1e-3, group: dist.Process
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    check_group("group", group)
     rate = check_float("rate", rate)
     if not rate >= 0:
         raise ValueError(f"rate: expected a number >= 0, got {rate!r}")
