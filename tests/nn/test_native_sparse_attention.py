@@ -212,6 +212,8 @@ BAD_INIT = [
     ("compressor-max", dict(compressor="max"), "compressor"),
     ("branches-unknown", dict(branches=("cmp", "sw")), "branches"),
     ("branches-empty", dict(branches=()), "branches"),
+    ("branches-none", dict(branches=None), "branches"),
+    ("branches-int", dict(branches=5), "branches"),
     ("rope-negative", dict(rope_theta=-1.0), "rope_theta"),
     ("window-0", dict(window_size=0), "window_size"),
 ]

@@ -113,7 +113,7 @@ class NativeSparseAttention(nn.Module):
                 raise ValueError(f"head_dim: expected an even size with rope_theta set, got {Dqk}")
         if not isinstance(branches, str) and hasattr(branches, "__iter__"):
             branches = tuple(branches)
-        if isinstance(branches, str) or not all(isinstance(b, str) and b in BRANCHES for b in branches) \
+        if not isinstance(branches, tuple) or not all(isinstance(b, str) and b in BRANCHES for b in branches) \
                 or not branches or len(set(branches)) != len(branches):
             raise ValueError(f"branches: expected a non-empty subset of {BRANCHES}, got {branches!r}")
         _checks.resolve_backend(backend, torch.device("cpu") if device is None else torch.device(device))
