@@ -77,6 +77,11 @@ def test_without_target_and_the_loss_takes_it():
     (lambda a: a.update(q=a["q"][:, :, :8]), ValueError, "key"),
     (lambda a: a.update(return_target=1), TypeError, "return_target"),
     (lambda a: a.update(cu_seqlens=[0, 4]), ValueError, "cu_seqlens"),
+    # the op's scale_value and selected_block_count, under this function's names
+    (lambda a: a.update(scale=None), TypeError, "^scale: expected a float, got NoneType"),
+    (lambda a: a.update(indices=a["indices"][:, :0]), ValueError, "^indices: expected 1 to 2048 keys per query"),
+    (lambda a: a.update(indices=a["indices"][:, :1].expand(10, 2049)), ValueError,
+     "^indices: expected 1 to 2048 keys per query .*got 2049"),
 ])
 def test_bad_input(edit, exc, msg):
     q, k, v, idx = _case(10, 4, 1, 3, torch.float64)

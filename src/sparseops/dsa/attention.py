@@ -16,9 +16,12 @@ from .._varlen import token_seq_positions
 from ..nsa import cpu_gather, torch_impl
 from ..nsa.api import FAMILY as NSA
 from ..nsa.api import nsa_selected_attention
-from ..nsa.checks import check_args
+from ..nsa.checks import check_args, max_block_count
 from .checks import DTYPES, cu_seqlens_list
 from .loss import _target
+
+#: the most keys per query: the op's ``selected_block_count`` limit at token granularity
+MAX_TOPK = max_block_count(1)
 
 
 class _AttentionWithTarget(torch.autograd.Function):
@@ -63,6 +66,11 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
     indices = _checks.check_tensor("indices", indices, ndim=2, dtypes=_checks.INDEX_DTYPES)
     return_target = _checks.check_bool("return_target", return_target)
     T, topk = indices.shape
+    # the arguments the op below has under other names (scale_value, selected_block_count)
+    scale = _checks.check_float("scale", scale)
+    if not 1 <= topk <= MAX_TOPK:
+        raise ValueError(f"indices: expected 1 to {MAX_TOPK} keys per query (indices.shape[1], the op's "
+                         f"selected_block_count limit), got {topk}")
     # the rows first, under this function's names (the op's checks below would name its lengths)
     for name, t in (("k", k), ("v", _checks.check_tensor("v", v, ndim=3)), ("indices", indices)):
         if t.shape[0] != q.shape[0]:
