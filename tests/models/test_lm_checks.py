@@ -46,6 +46,13 @@ def test_bad_config_names_the_field(changes, error, start):
     assert str(info.value).startswith(start), str(info.value)
 
 
+@pytest.mark.parametrize("dtype, match", [(torch.int32, "^dtype: expected None or one of .*got int32"),
+                                          ("float32", "^dtype: expected None or a torch.dtype, got str")])
+def test_bad_dtype_names_dtype(dtype, match):
+    with pytest.raises(TypeError, match=match):
+        CausalLM(TINY, device="meta", dtype=dtype)
+
+
 def test_layer_errors_are_renamed_at_the_boundary(monkeypatch):
     """An error of the MoE layer about its ffn_size is about LMConfig.expert_ffn_size (``--expert-ffn-size``)."""
     from sparseops.models import lm

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -73,3 +75,47 @@ def test_bad_ep_mode(kw, match):
         train(model_cfg, task, cfg, **kw)
     with pytest.raises(ValueError, match=match):
         train_expert_parallel(model_cfg, task, cfg, 2, **kw)
+
+
+BAD_TRAIN_CONFIGS = [
+    # TrainConfig changes, error, the message's start
+    (dict(steps=1.5), TypeError, "steps: expected an int, got float"),
+    (dict(steps=True), TypeError, "steps: expected an int, got bool"),
+    (dict(batch_size=0), ValueError, "batch_size: expected >= 1, got 0"),
+    (dict(eval_batch=0), ValueError, "eval_batch: expected >= 1, got 0"),  # was a ZeroDivisionError after training
+    (dict(seed=1.5), TypeError, "seed: expected an int, got float"),
+    (dict(lr=-1.0), ValueError, "lr: expected a float >= 0, got -1.0"),
+    (dict(clip=-1.0), ValueError, "clip: expected a float > 0, got -1.0"),  # was accepted: the gradients flipped
+    (dict(clip=float("nan")), ValueError, "clip: expected a finite float, got nan"),  # was accepted: NaN steps
+]
+
+
+@pytest.mark.parametrize("changes, error, start", BAD_TRAIN_CONFIGS, ids=[str(c[0]) for c in BAD_TRAIN_CONFIGS])
+def test_bad_train_config_names_the_field(changes, error, start):
+    task, model_cfg, cfg = demo_setup(quick=True, steps=1)
+    bad = dataclasses.replace(cfg, **changes)
+    with pytest.raises(error) as info:
+        train(model_cfg, task, bad)
+    assert str(info.value).startswith(start), str(info.value)
+    with pytest.raises(error) as info:  # before any process is spawned
+        train_expert_parallel(model_cfg, task, bad, 2)
+    assert str(info.value).startswith(start), str(info.value)
+
+
+@pytest.mark.parametrize("kw, match", [({"task": None}, "^task: expected a RecallTask, got NoneType"),
+                                       ({"cfg": {}}, "^cfg: expected a TrainConfig, got dict"),
+                                       ({"on_step": 1}, "^on_step: expected None or a callable, got int"),
+                                       ({"compile": "yes"}, "^compile: expected a bool, got str")])
+def test_bad_train_arguments(kw, match):
+    task, model_cfg, cfg = demo_setup(quick=True, steps=1)
+    args = {"task": task, "cfg": cfg} | kw
+    with pytest.raises(TypeError, match=match):
+        train(model_cfg, args.pop("task"), args.pop("cfg"), **args)
+
+
+@pytest.mark.parametrize("kw, error, match", [({"steps": -1}, ValueError, "^steps: expected >= 0, got -1"),
+                                              ({"steps": 1.5}, TypeError, "^steps: expected an int, got float"),
+                                              ({"quick": 1}, TypeError, "^quick: expected a bool, got int")])
+def test_bad_demo_setup(kw, error, match):
+    with pytest.raises(error, match=match):
+        demo_setup(**kw)

@@ -191,6 +191,7 @@ class CausalLM(nn.Module):
                  device=None, dtype=None):
         super().__init__()
         check_config(cfg)
+        _checks.check_param_dtype(dtype)  # before the embedding, whose own error would come from torch
         self.cfg = cfg
         self.embed = TokenEmbedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
         self.blocks = nn.ModuleList(

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .. import _checks
 from ..distributed.dispatchers import DISPATCHERS
 from .lm import CausalLM, LMConfig, expert_parameter, load_full_state
 from .recall import IGNORE_INDEX, RecallTask
@@ -49,6 +50,27 @@ class TrainConfig:
     seed: int = 0
     eval_sequences: int = 256
     eval_batch: int = 64
+
+
+def check_train_config(cfg: TrainConfig) -> None:
+    """Every field of ``cfg``, before anything is built: a ``ValueError`` / ``TypeError`` whose message starts with
+    the field's name (as :func:`sparseops.models.lm.check_config` does for the model's)."""
+    if not isinstance(cfg, TrainConfig):
+        raise TypeError(f"cfg: expected a TrainConfig, got {type(cfg).__name__}")
+    for name, lo in (("steps", 0), ("batch_size", 1), ("warmup", 0), ("eval_sequences", 1), ("eval_batch", 1)):
+        _checks.check_int(name, getattr(cfg, name), lo=lo)
+    _checks.check_int("seed", cfg.seed)
+    for name, strict in (("lr", False), ("weight_decay", False), ("clip", True)):
+        v = _checks.check_float(name, getattr(cfg, name))
+        if v < 0 or (strict and v == 0):
+            raise ValueError(f"{name}: expected a float {'>' if strict else '>='} 0, got {v}")
+
+
+def _check_run_args(task: RecallTask, cfg: TrainConfig, compile: bool) -> None:
+    if not isinstance(task, RecallTask):
+        raise TypeError(f"task: expected a RecallTask, got {type(task).__name__}")
+    check_train_config(cfg)
+    _checks.check_bool("compile", compile)
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -162,6 +184,9 @@ def train(model_cfg: LMConfig, task: RecallTask, cfg: TrainConfig, *, dtype: tor
         ``{"loss": [float per step], "recall": float, "seconds": float, "tokens_per_second": float}``.
     """
     _check_ep_args(ep_mode, dispatcher)
+    _check_run_args(task, cfg, compile)
+    if on_step is not None and not callable(on_step):
+        raise TypeError(f"on_step: expected None or a callable, got {type(on_step).__name__}")
     device = torch.device("cpu") if device is None else torch.device(device)
     # the group over which the ranks split the batch: none when every rank runs it whole
     dp_group = ep_group if ep_mode == "data" else None
@@ -223,6 +248,7 @@ def train_expert_parallel(model_cfg: LMConfig, task: RecallTask, cfg: TrainConfi
     from ..distributed.launch import spawn
 
     _check_ep_args(ep_mode, dispatcher)
+    _check_run_args(task, cfg, compile)
     return spawn(_ep_worker, world_size, model_cfg, task, cfg, dtype, ep_mode, dispatcher, compile,
                  backend="gloo", timeout=timeout, threads=threads)[0]
 
@@ -234,6 +260,10 @@ def demo_setup(quick: bool = False, steps: int | None = None, seed: int = 0) -> 
     ``quick``: the same model on a smaller task (64-token sequences, 2 pairs, 8 values), where the lookup forms
     within 200 steps: the point of the full run (NSA recalls, the window-only ablation stays near chance) in
     about a quarter of its time (docs/demo.md)."""
+    _checks.check_bool("quick", quick)
+    if steps is not None:
+        _checks.check_int("steps", steps, lo=0)
+    _checks.check_int("seed", seed)
     if quick:
         task = RecallTask(seq_len=64, num_pairs=2, num_queries=16, num_keys=16, num_values=8, num_filler=8,
                           pair_spacing=16)
