@@ -49,3 +49,8 @@ def test_spawn_bad_arguments(kw, match):
     args = {"world_size": 2, "backend": "gloo", "timeout": 10.0} | kw
     with pytest.raises(ValueError, match=match):
         spawn(_ok, args.pop("world_size"), **args)
+
+
+def test_spawn_refuses_a_non_callable_before_starting_processes():
+    with pytest.raises(TypeError, match="^fn: expected a callable .*got NoneType"):
+        spawn(None, 2, timeout=10.0)

@@ -85,8 +85,10 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo",
     Raises:
         SpawnError: a rank raised (the message has the first failing rank's traceback), a process died
             without a result, or the run took longer than ``timeout`` (every process is then terminated).
-        ValueError: a bad ``world_size``, ``backend``, ``timeout`` or ``threads``.
+        ValueError: a bad ``world_size``, ``backend``, ``timeout`` or ``threads``. TypeError: ``fn`` not callable.
     """
+    if not callable(fn):
+        raise TypeError(f"fn: expected a callable (a module-level function), got {type(fn).__name__}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size: expected an int >= 1, got {world_size!r}")
     if backend not in BACKENDS:
