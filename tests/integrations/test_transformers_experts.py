@@ -245,6 +245,31 @@ def test_the_fused_silu_gate_matches_the_float64_gate(dtype):
     assert_close(hd.grad, href.grad, dtype, "gate grad")
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_silu_gate_compiles_fullgraph(dtype):
+    """Dynamo traces the gate inside a compiled experts module (after the counts' host sync). In fp32 and float64
+    its last cast would return the product itself, and torch 2.11's dynamo gives an autograd.Function whose
+    output is also another traced tensor of its forward a gradient of 0 (pytorch/pytorch#180642,
+    docs/internals.md)."""
+    import torch._dynamo
+
+    from sparseops.integrations.transformers_experts import _SiluGate
+
+    g = torch.Generator().manual_seed(6)
+    h = torch.randn(7, 8, generator=g, dtype=torch.float64)
+    gy = torch.randn(7, 4, generator=g, dtype=torch.float64)
+    hd = h.to(dtype, copy=True).requires_grad_(True)
+    torch._dynamo.reset()
+    y = torch.compile(_SiluGate.apply, fullgraph=True, backend="eager")(hd)
+    y.backward(gy.to(dtype))
+    torch._dynamo.reset()
+    href = h.clone().requires_grad_(True)
+    ref = torch.nn.functional.silu(href[:, :4]) * href[:, 4:]
+    ref.backward(gy)
+    assert_close(y, ref, dtype, "gate")
+    assert_close(hd.grad, href.grad, dtype, "gate grad")
+
+
 def test_import_sparseops_does_not_import_transformers():
     import subprocess
     import sys

@@ -135,9 +135,11 @@ def _act_fwd(h1: torch.Tensor, h3: torch.Tensor | None) -> torch.Tensor:
             return out
     acc = acc_dtype(h1)
     a = h1.to(acc)
-    if h3 is None:
-        return F.gelu(a).to(h1.dtype)
-    return (F.silu(a) * h3.to(acc)).to(h1.dtype)
+    out = F.gelu(a) if h3 is None else F.silu(a) * h3.to(acc)
+    # no .to() that would return ``out`` itself (fp32, float64): _SiluGate returns this, and under torch 2.11's
+    # dynamo an autograd.Function whose output is also another traced tensor of its forward gets wrong
+    # gradients (pytorch/pytorch#180642, docs/internals.md)
+    return out if out.dtype == h1.dtype else out.to(h1.dtype)
 
 
 def _act_bwd(da: torch.Tensor, h1: torch.Tensor, h3: torch.Tensor | None):
