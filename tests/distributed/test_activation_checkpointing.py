@@ -106,9 +106,11 @@ def _cases(dp: str) -> dict:
     return cases
 
 
-def _worker(rank: int, world: int) -> dict:
+def _worker(rank: int, world: int) -> tuple[dict, dict]:
     import torch._dynamo
     from torch._dynamo.utils import counters
+
+    from .test_collectives import compiled_matches_eager
 
     out = {}
     for dp in ("fsdp", "ddp"):
@@ -119,7 +121,7 @@ def _worker(rank: int, world: int) -> dict:
             once = _counted_once(model, rank, world)
             out[f"{dp}: {name}"] = {"counted_once": once, **_train(model, rank, world),
                                     "graphs": counters["stats"]["unique_graphs"] - graphs}
-    return out
+    return out, compiled_matches_eager(rank, world)
 
 
 def _plain_names(run: dict) -> dict:
@@ -136,7 +138,15 @@ def w2() -> list:
     return spawn(_worker, 2, timeout=TIMEOUT)
 
 
+def test_collectives_compiled_match_eager(w2):
+    """test_collectives.compiled_matches_eager in this launch (dynamo is loaded here already)."""
+    for rank, (_, collectives) in enumerate(w2):
+        want = {name: [True, True] for name in ("all_gather", "reduce_scatter", "all_to_all")}
+        assert collectives == want, rank
+
+
 def test_checkpointed_and_compiled_blocks_match_the_one_process_run(w2):
+    w2 = [runs for runs, _ in w2]
     oracle = _train(_model(), 0, 1)
     for rank in (0, 1):
         assert len(w2[rank]) == 2 * 9 + 2

@@ -28,6 +28,36 @@ def _worker(rank, ws, size_sets):
     return [_one(rank, ws, list(sizes)) for sizes in size_sets] + [_disagree(rank, ws), torch.get_num_threads()]
 
 
+def compiled_matches_eager(rank, ws):
+    """Under torch.compile (backend "eager": dynamo's graph run as it is) against eager, float64, the collectives
+    whose eager forward writes its output in place: all_gather of uneven sizes (gather_rows' forward too),
+    reduce_scatter (its sum over ranks) and all_to_all. ``{name: [output equal, x.grad equal]}``. Under torch 2.11
+    an autograd.Function whose output is written in place gets wrong gradients (pytorch/pytorch#180642,
+    docs/internals.md). Called from test_activation_checkpointing's W = 2 launch, whose ranks have dynamo loaded
+    already (its import takes seconds per process)."""
+    import torch._dynamo
+
+    sizes = [1 + q for q in range(ws)]
+    send = [1 + (rank + q) % 2 for q in range(ws)]
+    recv = [1 + (q + rank) % 2 for q in range(ws)]
+    names = ("all_gather", "reduce_scatter", "all_to_all")
+
+    def fn(a, b, c):
+        return all_gather(a, None, sizes), reduce_scatter(b, None, sizes), all_to_all(c, recv, send)
+
+    g = torch.Generator().manual_seed(rank)
+    x0 = [torch.randn(n, 2, generator=g, dtype=torch.float64) for n in (sizes[rank], sum(sizes), sum(send))]
+    got = []
+    torch._dynamo.reset()
+    for f in (fn, torch.compile(fn, backend="eager")):
+        xs = [x.clone().requires_grad_(True) for x in x0]
+        ys = f(*xs)
+        sum((y * torch.arange(1.0, y.numel() + 1, dtype=torch.float64).view(y.shape)).sum() for y in ys).backward()
+        got.append([(y.detach(), x.grad) for x, y in zip(xs, ys)])
+    torch._dynamo.reset()
+    return {name: [torch.equal(a, b) for a, b in zip(e, c)] for name, e, c in zip(names, *got)}
+
+
 def _disagree(rank, ws):
     """Under TORCH_DISTRIBUTED_DEBUG=DETAIL, ranks that disagree on sizes or shapes all raise ``ValueError``
     (off, the same calls hang, abort gloo, or return rows nobody sent); calls that agree give what they give off."""

@@ -66,6 +66,11 @@ def _a2a(x: torch.Tensor, out_sizes: list[int], in_sizes: list[int], group: Grou
     out = x.new_empty((sum(out_sizes), *x.shape[1:]))
     dist.all_to_all_single(out, x, output_split_sizes=out_sizes,
                            input_split_sizes=in_sizes, group=group)
+    if torch.compiler.is_compiling():
+        # traced, dynamo writes the exchange into ``out`` with a copy_; under torch 2.11 an autograd.Function
+        # whose output is written in place gets wrong gradients (pytorch/pytorch#180642, docs/internals.md):
+        # a fresh copy is returned instead
+        return out.clone()
     return out
 
 
@@ -90,8 +95,11 @@ def _reduce_scatter(x: torch.Tensor, sizes: list[int], group: Group) -> torch.Te
     pieces = _a2a(x, [n] * ws, sizes, group).view(ws, n, *x.shape[1:])
     acc = pieces[0].to(_acc_dtype(x.dtype), copy=True)
     for p in pieces[1:]:
-        acc += p
-    return acc.to(x.dtype)
+        if torch.compiler.is_compiling():  # out of place under torch.compile, as in _a2a
+            acc = acc + p
+        else:
+            acc += p
+    return acc if acc.dtype == x.dtype else acc.to(x.dtype)  # no .to() that returns acc itself (the same bug)
 
 
 def _exchange_sizes(x: torch.Tensor, group: Group) -> list[int]:
