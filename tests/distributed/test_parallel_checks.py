@@ -118,7 +118,20 @@ def test_parallelize_names_an_fsdp2_too_old(monkeypatch):
     from torch.distributed.fsdp import FSDPModule
 
     monkeypatch.delattr(FSDPModule, "set_force_sum_reduction_for_comms")
-    with pytest.raises(RuntimeError, match=r"needs torch >= 2.8 \(FSDP2's "
+    with pytest.raises(RuntimeError, match=r"needs torch >= 2.10 \(FSDP2's "
                                            r"FSDPModule.set_force_sum_reduction_for_comms\), got torch"):
         parallelize(nn.Linear(2, 2), ParallelDims(dp_shard=1))
+    assert not dist.is_initialized()
+
+
+def test_a_torch_whose_mesh_groups_drop_the_timeout_is_refused(monkeypatch):
+    # torch 2.9: init_device_mesh takes backend_override, but its groups keep the default timeout (30 minutes)
+    from torch.torch_version import TorchVersion
+
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.9.1"))
+    for call, who in ((lambda: parallelize(nn.Linear(2, 2), ParallelDims(dp_shard=1)), "parallelize"),
+                      (lambda: ParallelDims(dp_shard=1).build("cpu", timeout=5), "ParallelDims.build")):
+        with pytest.raises(RuntimeError, match=rf"^{who}: needs torch >= 2.10 \(mesh groups that take their "
+                                               r"options' timeout\), got torch 2.9.1$"):
+            call()
     assert not dist.is_initialized()

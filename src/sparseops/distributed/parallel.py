@@ -108,6 +108,7 @@ class ParallelDims:
         so a bad one raises ``ValueError`` before any collective. ``timeout`` (a timedelta or seconds): of every
         collective on the meshes' groups, so a rank that stops responding ends the others' wait with an error
         (None: torch's default for new groups, 30 minutes; the world group keeps its own)."""
+        check_torch("ParallelDims.build")
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("ParallelDims.build: expected an initialized torch.distributed process group "
                                "(run under torchrun, or call init_process_group first)")
@@ -288,22 +289,27 @@ def _owned(module: nn.Module, params: list) -> set | None:
     return {q for q in module.parameters() if id(q) in ids} or None
 
 
-def check_torch_fsdp2() -> None:
-    """Raise ``RuntimeError`` naming the torch version when its FSDP2 lacks what :func:`parallelize` calls:
+def check_torch(who: str = "parallelize") -> None:
+    """Raise ``RuntimeError`` naming the torch version when it lacks what :func:`parallelize` calls: FSDP2's
     ``fully_shard(ignored_params=...)`` (torch 2.7), ``set_gradient_divide_factor`` and
-    ``set_force_sum_reduction_for_comms`` (2.8)."""
+    ``set_force_sum_reduction_for_comms`` (2.8), and meshes whose groups take the layout's timeout:
+    ``init_device_mesh(backend_override=...)`` came in 2.9, but its groups keep torch's default timeout before
+    2.10 (a rank that stops responding would hold its peers for 30 minutes, not ``timeout``)."""
     import inspect
 
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     missing = [name for name, found in (
-        ("fully_shard(ignored_params=...)", "ignored_params" in inspect.signature(fully_shard).parameters),
-        ("FSDPModule.set_gradient_divide_factor", hasattr(FSDPModule, "set_gradient_divide_factor")),
-        ("FSDPModule.set_force_sum_reduction_for_comms", hasattr(FSDPModule, "set_force_sum_reduction_for_comms")),
+        ("FSDP2's fully_shard(ignored_params=...)", "ignored_params" in inspect.signature(fully_shard).parameters),
+        ("FSDP2's FSDPModule.set_gradient_divide_factor", hasattr(FSDPModule, "set_gradient_divide_factor")),
+        ("FSDP2's FSDPModule.set_force_sum_reduction_for_comms",
+         hasattr(FSDPModule, "set_force_sum_reduction_for_comms")),
+        ("init_device_mesh(backend_override=...)", "backend_override" in inspect.signature(init_device_mesh).parameters),
+        ("mesh groups that take their options' timeout", torch.__version__ >= (2, 10)),
     ) if not found]
     if missing:
-        raise RuntimeError(f"parallelize: needs torch >= 2.8 (FSDP2's {', '.join(missing)}), got torch "
-                           f"{torch.__version__}")
+        raise RuntimeError(f"{who}: needs torch >= 2.10 ({', '.join(missing)}), got torch {torch.__version__}")
 
 
 def _fsdp_options(module, device_type: str, divide: float | None = None) -> None:
@@ -339,12 +345,12 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, data_parallel: str = "f
     Raises:
         ValueError: a layout that does not match the world, ``ddp_options`` not listed above (or with fsdp), an ``ep`` that does not divide ``dp_shard`` or a
             layer's E, MoE layers built with ``ep_group`` or ``replicated_tokens``, a second call; all before
-            any collective. TypeError: a model or dims of the wrong type. RuntimeError: a torch older than 2.8.
+            any collective. TypeError: a model or dims of the wrong type. RuntimeError: a torch older than 2.10.
     """
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
-    check_torch_fsdp2()
+    check_torch()
     options = _check_ddp_options(ddp_options, data_parallel)
     dims, layers = _check(model, dims, data_parallel)
     device_type = _device_type(model)
