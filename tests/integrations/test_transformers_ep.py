@@ -30,7 +30,7 @@ TIMEOUT = 240.0
 #: (experts_implementation, ep_implementation); transformers' own all_to_all runs alongside as the witness of
 #: its gradient convention
 IMPLS = [("sparseops", "sparseops"), ("sparseops", "sparseops_allgather"), ("eager", "sparseops"),
-         ("eager", "all_to_all")]
+         ("eager", "all_to_all"), ("sparseops", "sparseops", "compiled")]
 #: transformers' convention under DistributedConfig(ep_size=2, fsdp_size=2): the expert weights' gradients are
 #: the dense ones' (the mean over the data-parallel ranks' losses) divided by 2 more; its all_to_all agrees
 EXPERT_SCALE = 0.5
@@ -53,17 +53,28 @@ def _worker(rank, world_size, path, impls, tp=False):
     import sparseops.integrations.transformers  # noqa: F401
 
     warnings.filterwarnings("error", message='experts_implementation="sparseops"')  # a fallback fails the test
+    from sparseops.integrations import transformers_ep
+
+    plan, traced = transformers_ep.gather_plan, []
+
+    def watched(*args):  # records whether dynamo is tracing the exchange
+        traced.append(torch.compiler.is_compiling())
+        return plan(*args)
+
+    transformers_ep.gather_plan = watched
     ids = _batches()[0 if tp else rank]
     out = {}
-    for experts_impl, ep_impl in impls:
+    for experts_impl, ep_impl, *compiled in impls:
         sizes = {"tp_size": 2} if tp else {"fsdp_size": 2}
         cfg = DistributedConfig(ep_size=2, ep_implementation=ep_impl, **sizes)
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path, experts_implementation=experts_impl, distributed_config=cfg, dtype=torch.float64)
-        res = model(input_ids=ids, labels=ids)
+        # compiled: dynamo's graphs run as they are (backend "eager"); the exchange stays an eager island
+        res = (torch.compile(model, backend="eager") if compiled else model)(input_ids=ids, labels=ids)
         res.loss.backward()
         grads = {n: _full(p.grad) for n, p in model.named_parameters()}
-        out[(experts_impl, ep_impl)] = (_full(res.logits).detach(), res.loss.detach(), grads)
+        out[(experts_impl, ep_impl, *compiled)] = (_full(res.logits).detach(), res.loss.detach(), grads)
+    out["traced"] = traced
     return out
 
 
@@ -88,6 +99,10 @@ def test_ep2_fsdp2_matches_one_process(tmp_path):
     # FSDP averages the dense gradients over the 2 data-parallel ranks; the experts get every rank's tokens
     torch.autograd.backward(sum(losses) / 2)
     ref = {n: p.grad for n, p in model.named_parameters()}
+    # each sparseops exchange of the two layers ran once per model, never traced by dynamo
+    exchanges = 2 * sum(ep.startswith("sparseops") for _, ep, *_ in IMPLS)
+    for res in results:
+        assert res["traced"] == [False] * exchanges, res["traced"]
     for key in IMPLS:
         for rank, res in enumerate(results):
             got_logits, got_loss, grads = res[key]

@@ -77,6 +77,10 @@ class SparseopsEP(EPImplementation):
                                       torch.tensor(counts, device=rows.device), output_size=rows.shape[0])
         return self.experts_forward(rows, ids.unsqueeze(1), rows.new_ones(rows.shape[0], 1))
 
+    # an eager island inside torch.compile (one graph break per layer, as MoELayer's): the plan reads the token
+    # counts on the host, so dynamo would break the graph there anyway, and the exchange's autograd.Functions run
+    # as tested (docs/transformers.md, "torch.compile")
+    @torch._disable_dynamo
     def __call__(self, hidden_states, top_k_index, top_k_weights):
         hidden_states, top_k_index, top_k_weights = (_local(t) for t in (hidden_states, top_k_index, top_k_weights))
         shared = self.tp_mesh.size() > 1
