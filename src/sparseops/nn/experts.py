@@ -4,7 +4,8 @@ Two GEMM paths behind one contract (docs/moe-layer.md, "Experts"): ``"loop"``, a
 expert on its contiguous row block, written into preallocated outputs (public API, the fastest on the CPU),
 and ``"grouped"``, ``torch.nn.functional.grouped_mm`` (or ``torch._grouped_mm`` on older torch), one kernel
 for all experts where the device has one. ``"auto"`` takes grouped on CUDA for 16-bit weights when it
-is available, else the loop. The choice lives in :data:`SETTINGS` (``SETTINGS.override(gemm="loop")``).
+is available, else the loop. Under ``torch.compile`` grouped runs where grouped_mm's fake kernel takes the
+operands (bf16, aligned strides), the loop elsewhere. The choice lives in :data:`SETTINGS` (``SETTINGS.override(gemm="loop")``).
 """
 
 from __future__ import annotations
@@ -63,14 +64,34 @@ def _use_grouped(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
 
 
+def _fake_ok(t: torch.Tensor) -> bool:
+    """Whether grouped_mm's fake kernel (torch/_meta_registrations.py) takes ``t``: bf16, one of its last two
+    strides 1 and the other a multiple of 16 bytes and at least the size it steps over."""
+    if t.dtype != torch.bfloat16 or t.dim() not in (2, 3):
+        return False
+    (s0, s1), (n0, n1) = t.stride()[-2:], t.shape[-2:]
+    return (s0 == 1 and s1 >= max(1, n0) and s1 % 8 == 0) or (s1 == 1 and s0 >= max(1, n1) and s0 % 8 == 0)
+
+
+def _grouped(a: torch.Tensor, b: torch.Tensor, offs) -> torch.Tensor | None:
+    """``grouped_mm(a, b, offs=offs)``, or None where it has no kernel for these operands. Traced by dynamo
+    it runs on fake tensors, whose kernel takes fewer operands than the eager ones (bf16 only, 16-byte aligned
+    strides, where the CPU kernel also runs fp32): those are decided before the call, since dynamo's error
+    cannot be caught in the traced code."""
+    if torch.compiler.is_compiling():
+        return _grouped_fn()(a, b, offs=offs) if _fake_ok(a) and _fake_ok(b) else None
+    try:
+        return _grouped_fn()(a, b, offs=offs)
+    except (RuntimeError, NotImplementedError):  # a device or dtype without a grouped kernel
+        return None
+
+
 def _mm_rows(x: torch.Tensor, w: torch.Tensor, counts: list[int], offs, out: torch.Tensor | None,
              grouped: bool) -> torch.Tensor:
     """``out[rows of e] = x[rows of e] @ w[e].T`` for every expert (w `[E, N, C]`, x `[R, C]`, out `[R, N]`)."""
-    if grouped:
-        try:
-            return _grouped_fn()(x, w.transpose(-2, -1), offs=offs)
-        except (RuntimeError, NotImplementedError):  # a device or dtype without a grouped kernel
-            pass
+    y = _grouped(x, w.transpose(-2, -1), offs) if grouped else None
+    if y is not None:
+        return y
     if out is None:
         out = _empty((x.shape[0], w.shape[1]), x)
     s = 0
@@ -84,11 +105,9 @@ def _mm_rows(x: torch.Tensor, w: torch.Tensor, counts: list[int], offs, out: tor
 def _mm_weight_grad(g: torch.Tensor, x: torch.Tensor, counts: list[int], offs, grouped: bool,
                     shape: torch.Size) -> torch.Tensor:
     """``gw[e] = g[rows of e].T @ x[rows of e]`` `[E, N, C]`; zeros for an expert with no rows."""
-    if grouped:
-        try:
-            return _grouped_fn()(g.T, x, offs=offs)
-        except (RuntimeError, NotImplementedError):
-            pass
+    gw = _grouped(g.T, x, offs) if grouped else None
+    if gw is not None:
+        return gw
     gw = _empty(shape, g)
     s = 0
     for e, c in enumerate(counts):
