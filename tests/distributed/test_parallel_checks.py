@@ -1,5 +1,5 @@
-"""parallelize, materialize and DCP checkpoints without the spawned training runs: refused checkpoints, bad layouts
-and options named before any collective, the layout groups' timeout."""
+"""parallelize, materialize, clip_grad_norm_ and DCP checkpoints without the spawned training runs: refused
+checkpoints, bad layouts, options and clip arguments named before any collective, the layout groups' timeout."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sparseops.distributed import ParallelDims, materialize, parallelize, spawn
+from sparseops.distributed import ParallelDims, clip_grad_norm_, materialize, parallelize, spawn
 from sparseops.distributed import checkpoint as ckpt
 
 from .parallel_net import model as _model
@@ -89,6 +89,60 @@ def test_dims_bad_input_without_a_process_group():
         materialize(nn.Linear(2, 2), "cpu", [])
     with pytest.raises(ValueError, match="state_dict"):
         materialize(nn.Linear(2, 2), "cpu", from_rank0=True)
+
+
+def _with_grad() -> nn.Parameter:
+    p = nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 2.0)
+    return p
+
+
+#: before, each of these was taken or failed in torch's code, as the comment says
+BAD_CLIP_ARGS = [
+    # id, (parameters (None: a parameter with a gradient), max_norm, norm_type), error, the message's start
+    ("parameters-int", (1, 1.0, 2.0), TypeError,  # "'int' object is not iterable"
+     "parameters: expected a Tensor or an iterable of Tensors, got int"),
+    ("parameters-of-ints", ([1], 1.0, 2.0), TypeError,  # "'int' object has no attribute 'grad'"
+     "parameters[0]: expected a torch.Tensor, got int"),
+    ("max_norm-negative", (None, -1.0, 2.0), ValueError,  # every gradient flipped
+     "max_norm: expected a float >= 0, got -1.0"),
+    ("max_norm-nan", (None, float("nan"), 2.0), ValueError,  # NaN gradients
+     "max_norm: expected a float >= 0, got nan"),
+    ("max_norm-bool", (None, True, 2.0), TypeError, "max_norm: expected a float >= 0, got bool"),  # clipped to 1
+    ("max_norm-str", (None, "1", 2.0), TypeError,  # "unsupported operand type(s) for /"
+     "max_norm: expected a float >= 0, got str"),
+    ("norm_type-nan", (None, 1.0, float("nan")), ValueError,  # a NaN norm, NaN gradients
+     "norm_type: expected a float > 0 or 'inf', got nan"),
+    ("norm_type-0", (None, 1.0, 0), ValueError,  # a count of nonzero gradients, not a norm
+     "norm_type: expected a float > 0 or 'inf', got 0"),
+    ("norm_type-negative", (None, 1.0, -1.0), ValueError, "norm_type: expected a float > 0 or 'inf', got -1.0"),
+    ("norm_type-bool", (None, 1.0, True), TypeError,  # taken as a 1-norm
+     "norm_type: expected a float > 0 or 'inf', got bool"),
+    ("norm_type-str", (None, 1.0, "x"), TypeError,  # "could not convert string to float"
+     "norm_type: expected a float > 0 or 'inf', got str"),
+]
+
+
+@pytest.mark.parametrize("args, error, start", [c[1:] for c in BAD_CLIP_ARGS], ids=[c[0] for c in BAD_CLIP_ARGS])
+def test_clip_grad_norm_bad_input_names_the_argument(args, error, start):
+    """Refused before any gradient is touched (in one process; the checks come before every collective)."""
+    p = _with_grad()
+    with pytest.raises(error) as info:
+        clip_grad_norm_([p] if args[0] is None else args[0], *args[1:])
+    assert str(info.value).startswith(start), str(info.value)
+    assert torch.equal(p.grad, torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize("parameters, max_norm, norm_type", [
+    ("tensor", 1.0, 2.0),  # a single Tensor, as torch takes it
+    ("list", 1.0, float("inf")), ("list", 1.0, "inf"),  # torch's inf norm, also spelled 'inf'
+    ("list", float("inf"), 2.0), ("list", 0, 1),  # no clipping; every gradient to 0
+])
+def test_clip_grad_norm_takes_what_torch_takes(parameters, max_norm, norm_type):
+    ours, theirs = _with_grad(), _with_grad()
+    want = torch.nn.utils.clip_grad_norm_(theirs if parameters == "tensor" else [theirs], max_norm, norm_type)
+    got = clip_grad_norm_(ours if parameters == "tensor" else [ours], max_norm, norm_type)
+    assert torch.equal(got, want) and torch.equal(ours.grad, theirs.grad)
 
 
 def _stalled(rank: int, world: int) -> str:
