@@ -98,6 +98,8 @@ class TopKRouter(nn.Module):
         if not isinstance(norm_topk_prob, bool):
             raise TypeError(f"norm_topk_prob: expected a bool, got {type(norm_topk_prob).__name__}")
         self.scaling_factor = check_float("scaling_factor", scaling_factor)
+        if self.scaling_factor <= 0:  # 0 zeroes the routed output and its gradients, < 0 flips them
+            raise ValueError(f"scaling_factor: expected a float > 0, got {scaling_factor!r}")
         if num_groups is not None:
             G = check_int("num_groups", num_groups, lo=1)
             if E % G:
