@@ -26,8 +26,10 @@ from sparseops.testing import make_moe_inputs, make_nsa_inputs, poison_
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality (NaN == NaN, -0 != +0), the comparison for "nothing written" and "equals the Python op"."""
-    if a.shape != b.shape or a.dtype != b.dtype:
+    if a.shape != b.shape or a.dtype != b.dtype or a.layout != b.layout:
         return False
+    if a.layout != torch.strided:  # a sparse out tensor (refused): its values
+        return same_bits(a.to_dense(), b.to_dense())
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
@@ -347,6 +349,8 @@ BAD_CALLS = [
     ("permuted-too-few-rows", _moe_bad(_set(2, lambda d, a: a[2][:3])), ACLNN_ERR_INNER_TILING_ERROR, ["permutedTokensOptional"]),
     ("out-wrong-shape", _moe_bad(_set(8, lambda d, a: empty_like_poisoned((R, H), torch.float32))), ACLNN_ERR_INNER_TILING_ERROR, ["permutedTokensGradOut", f"[{N}, {H}]"]),
     ("out-broadcast-view", _moe_bad(_set(8, lambda d, a: torch.zeros(1, H).expand(N, H))), ACLNN_ERR_PARAM_INVALID, ["permutedTokensGradOut", "overlap"]),
+    ("out-sparse", _moe_bad(_set(8, lambda d, a: torch.zeros(N, H).to_sparse())), ACLNN_ERR_PARAM_INVALID, ["permutedTokensGradOut", "dense", "sparse_coo"]),  # was "a broadcast view with strides (0, 0)"
+    ("grad-sparse", _moe_bad(_set(0, lambda d, a: a[0].to_sparse())), ACLNN_ERR_PARAM_INVALID, ["unpermutedTokensGrad", "dense", "sparse_coo"]),
     ("out-wrong-dtype", _moe_bad(_set(9, lambda d, a: empty_like_poisoned((T, K), torch.float16))), ACLNN_ERR_INNER_TILING_ERROR, ["probsGradOut", "float16"]),
     ("outs-overlap", _moe_bad(_set(9, lambda d, a: a[8].view(-1)[: T * K].view(T, K))), ACLNN_ERR_PARAM_INVALID, ["probsGradOut", "overlaps", "permutedTokensGradOut"]),
     ("nsa-stats-outs-same-tensor", _nsa_bad(_set(14, lambda d, a: a[13])), ACLNN_ERR_PARAM_INVALID, ["softmaxSumOut", "overlaps"]),

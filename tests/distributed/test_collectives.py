@@ -250,3 +250,6 @@ def test_group_that_is_not_a_process_group(call):
     """One process, no process group: the type of ``group`` is checked before any collective."""
     with pytest.raises(TypeError, match="^group: expected None or a torch.distributed.ProcessGroup, got int"):
         call(torch.zeros(3, 2))
+    # a sparse x first (it went on to the group's check; in a process group, into the exchange)
+    with pytest.raises(TypeError, match=r"^x: expected a dense \(torch.strided\) tensor, got layout torch.sparse_coo"):
+        call(torch.zeros(3, 2).to_sparse())

@@ -203,6 +203,8 @@ def test_bad_input():
         m(torch.randn(5, 8))
     with pytest.raises(TypeError, match="x"):
         m(torch.randn(5, 16, dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"^x: expected a dense \(torch.strided\) tensor, got layout torch.sparse_coo"):
+        m(torch.randn(5, 16).to_sparse())
     with pytest.raises(ValueError, match="cu_seqlens"):
         m(torch.randn(5, 16), [0, 4])
     with pytest.raises(ValueError, match="x: expected device cpu"):

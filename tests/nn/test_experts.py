@@ -85,6 +85,8 @@ def test_bad_construction_and_input():
         ex(torch.randn(3, 5), [3, 0])
     with pytest.raises(TypeError, match="x: expected dtype torch.float32"):
         ex(torch.randn(3, 4, dtype=torch.float64), [3, 0])
+    with pytest.raises(TypeError, match=r"^x: expected a dense \(torch.strided\) tensor, got layout torch.sparse_coo$"):  # was "unsupported memory format option"
+        ex(torch.randn(3, 4).to_sparse(), [3, 0])
     with pytest.raises(ValueError, match="ExpertSettings.gemm"), SETTINGS.override(gemm="fast"):
         ex(torch.randn(3, 4), [3, 0])
     with pytest.raises(ValueError, match="x: expected device cpu"):

@@ -80,6 +80,9 @@ def test_a_strided_weight_view_is_used_as_is():
     ({"counts": [1, 1]}, ValueError, "tokens_per_expert: expected counts summing"),
     ({"counts": [3]}, ValueError, "tokens_per_expert: expected 2 counts"),
     ({"transposed": 1}, TypeError, "transposed: expected a bool"),
+    # sparse layouts died in torch ("unsupported memory format option", "expand is unsupported for Sparse tensors")
+    ({"x": torch.zeros(3, 4).to_sparse()}, TypeError, r"^x: expected a dense \(torch.strided\) tensor, got layout "),
+    ({"w": torch.zeros(2, 3, 4).to_sparse()}, TypeError, r"^w: expected a dense \(torch.strided\) tensor, got layout"),
     ({"x": torch.zeros(3, 4, dtype=torch.int64), "w": torch.zeros(2, 3, 4, dtype=torch.int64)}, TypeError,
      "x: expected a floating-point dtype"),
 ])

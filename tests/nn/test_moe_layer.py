@@ -208,6 +208,7 @@ def test_bad_construction(kw, err, match):
         MoELayer(H, F, E, args.pop("top_k"), **args)
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 def test_bad_input():
     layer = MoELayer(H, F, E, 2)
     with pytest.raises(ValueError, match=r"x: expected shape \[\.\.\., H=10\], got \[4, 9\]"):
@@ -216,6 +217,11 @@ def test_bad_input():
         layer(torch.randn(4, H, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="x: expected a floating-point tensor"):
         layer(torch.ones(4, H, dtype=torch.int32))
+    # a sparse x died in the router's reshape ("not implemented for sparse tensors", "do not have is_contiguous")
+    with pytest.raises(TypeError, match=r"^x: expected a dense \(torch.strided\) tensor, got layout torch.sparse_coo$"):
+        layer(torch.randn(4, H).to_sparse())
+    with pytest.raises(TypeError, match=r"^x: expected a dense \(torch.strided\) tensor, got layout torch.sparse_csr$"):
+        layer(torch.randn(4, H).to_sparse_csr())
     with pytest.raises(ValueError, match="x: expected a tensor with data, got one on the meta device"):
         MoELayer(H, F, E, 2, device="meta")(torch.randn(4, H, device="meta"))
 

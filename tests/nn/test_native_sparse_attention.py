@@ -240,6 +240,7 @@ BAD_CALL = [
     ("x-3d", dict(x=torch.zeros(1, 10, 32)), ValueError, "x"),
     ("x-width", dict(x=torch.zeros(10, 16)), ValueError, "x"),
     ("x-dtype", dict(x=torch.zeros(10, 32, dtype=torch.float64)), TypeError, "x"),
+    ("x-sparse", dict(x=torch.zeros(10, 32).to_sparse()), TypeError, "x"),
     ("cu-no-leading-0", dict(cu_seqlens=[4, 10]), ValueError, "cu_seqlens"),
     ("cu-decreasing", dict(cu_seqlens=[0, 6, 3, 10]), ValueError, "cu_seqlens"),
     ("cu-not-ending-at-T", dict(cu_seqlens=torch.tensor([0, 9])), ValueError, "cu_seqlens"),

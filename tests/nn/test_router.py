@@ -121,6 +121,8 @@ def test_bad_input():
         r(torch.ones(3, 4, dtype=torch.int64))
     with pytest.raises(TypeError, match="x: expected a torch.Tensor"):
         r([[0.0] * 4])
+    with pytest.raises(TypeError, match=r"^x: expected a dense \(torch.strided\) tensor, got layout torch.sparse_coo$"):  # was torch's reshape error
+        r(torch.randn(3, 4).to_sparse())
     with pytest.raises(ValueError, match="x: expected device cpu"):
         r(torch.randn(3, 4, device="meta"))
     with pytest.raises(ValueError, match="x: expected a tensor with data, got one on the meta device"):

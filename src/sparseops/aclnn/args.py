@@ -90,6 +90,8 @@ def out_tensor(name: str, t, shape, dtype: torch.dtype) -> torch.Tensor:
         raise Fail(ACLNN_ERR_PARAM_INVALID, f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in FLOATS + (torch.int32,):
         raise Fail(ACLNN_ERR_PARAM_INVALID, f"{name}: dtype {dtype_name(t.dtype)} is not supported")
+    if t.layout != torch.strided:  # before the strides, which a sparse tensor reports as zeros
+        raise Fail(ACLNN_ERR_PARAM_INVALID, f"{name}: expected a dense (torch.strided) tensor, got layout {t.layout}")
     if any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
         raise Fail(
             ACLNN_ERR_PARAM_INVALID,

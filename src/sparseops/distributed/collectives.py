@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .._checks import check_int
+from .._checks import check_int, check_tensor
 
 #: a process group, None meaning the default group (a forward reference: importable without c10d support)
 Group = Optional["dist.ProcessGroup"]
@@ -218,8 +218,7 @@ def _gathered_sizes(x: torch.Tensor, group: Group, sizes) -> list[int]:
 
 
 def _check_x(x) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    check_tensor("x", x)
     if x.dim() == 0:
         raise ValueError("x: expected at least 1 dimension (rows along dim 0), got a 0-dim tensor")
     return x

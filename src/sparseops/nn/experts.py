@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import _autograd, _compile
-from .._checks import check_has_data, check_int, check_param_dtype
+from .._checks import check_has_data, check_int, check_param_dtype, check_tensor
 from .._numerics import acc_dtype, autocast_cast, autocast_dtype
 from .._settings import Settings
 from ..moe.torch_impl import _empty_rows
@@ -303,8 +303,7 @@ class GroupedExperts(nn.Module):
         Returns:
             `[R, H]` in x's dtype; under ``torch.autocast`` in its dtype (the GEMMs run in it).
         """
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+        check_tensor("x", x)
         if x.dim() != 2 or x.shape[1] != self.hidden_size:
             raise ValueError(f"x: expected shape [R, H={self.hidden_size}], got {list(x.shape)}")
         check_rows_dtype(x, self.w1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .. import _autograd
+from .._checks import check_tensor
 from .._numerics import acc_dtype, autocast_cast
 from .experts import _empty, _mm_rows, _mm_weight_grad, _use_grouped, check_counts
 
@@ -107,9 +108,8 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts, *, transposed: bool
     Raises:
         TypeError, ValueError: a bad argument (the message names it, with the expected and actual value).
     """
-    for name, t in (("x", x), ("w", w)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    check_tensor("x", x)
+    check_tensor("w", w)
     if not isinstance(transposed, bool):
         raise TypeError(f"transposed: expected a bool, got {type(transposed).__name__}")
     if x.dim() != 2:

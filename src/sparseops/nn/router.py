@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._checks import check_bool, check_float, check_has_data, check_int, check_param_dtype
+from .._checks import check_bool, check_float, check_has_data, check_int, check_param_dtype, check_tensor
 from .._numerics import acc_dtype, autocast_off
 from .._topk import stable_topk
 from .stats import gather_stats
@@ -153,8 +153,7 @@ class TopKRouter(nn.Module):
 
     def check_input(self, x) -> torch.Tensor:
         """``x`` flattened to `[T, H]`; raises ``TypeError``/``ValueError`` naming ``x``."""
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+        check_tensor("x", x)
         if not x.dtype.is_floating_point:
             raise TypeError(f"x: expected a floating-point tensor, got {x.dtype}")
         if x.dim() < 1 or x.shape[-1] != self.hidden_size:
