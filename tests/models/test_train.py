@@ -113,6 +113,29 @@ def test_bad_train_arguments(kw, match):
         train(model_cfg, args.pop("task"), args.pop("cfg"), **args)
 
 
+@pytest.mark.parametrize("dtype, error, match", [
+    # was accepted: the loss NaN from the second step (AdamW's eps is 0 in float16)
+    (torch.float16, ValueError, r"^dtype: expected one of \{float32, float64, bfloat16\}, got float16 \(float16 "
+                                r"needs a gradient scaler; train has none\)$"),
+    (None, ValueError, r"^dtype: expected one of \{float32, float64, bfloat16\}, got float16 \(torch's default "
+                       r"dtype\) \(float16"),
+    # CausalLM's TypeError in one process; under EP they failed in each spawned rank
+    (torch.int64, TypeError, r"^dtype: expected one of \{float32, float64, bfloat16\}, got int64$"),
+    ("float32", TypeError, r"^dtype: expected a torch.dtype, got str \('float32'\)$"),
+])
+def test_bad_train_dtype(dtype, error, match):
+    task, model_cfg, cfg = demo_setup(quick=True, steps=1)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16 if dtype is None else default)
+    try:
+        with pytest.raises(error, match=match):
+            train(model_cfg, task, cfg, dtype=dtype)
+        with pytest.raises(error, match=match):  # before any process is spawned
+            train_expert_parallel(model_cfg, task, cfg, 2, dtype=dtype)
+    finally:
+        torch.set_default_dtype(default)
+
+
 @pytest.mark.parametrize("kw, error, match", [({"steps": -1}, ValueError, "^steps: expected >= 0, got -1"),
                                               ({"steps": 1.5}, TypeError, "^steps: expected an int, got float"),
                                               ({"quick": 1}, TypeError, "^quick: expected a bool, got int")])

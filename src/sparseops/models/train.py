@@ -66,11 +66,25 @@ def check_train_config(cfg: TrainConfig) -> None:
             raise ValueError(f"{name}: expected a float {'>' if strict else '>='} 0, got {v}")
 
 
-def _check_run_args(task: RecallTask, cfg: TrainConfig, compile: bool) -> None:
+#: the parameter dtypes of :func:`train`. Not float16: AdamW's eps (1e-8) is 0 there, so a parameter whose gradient
+#: is 0 steps to NaN, and train has no gradient scaler
+TRAIN_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+def _check_run_args(task: RecallTask, cfg: TrainConfig, compile: bool, dtype) -> None:
     if not isinstance(task, RecallTask):
         raise TypeError(f"task: expected a RecallTask, got {type(task).__name__}")
     check_train_config(cfg)
     _checks.check_bool("compile", compile)
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype: expected a torch.dtype, got {type(dtype).__name__} ({dtype!r})")
+    got = torch.get_default_dtype() if dtype is None else dtype
+    if got not in TRAIN_DTYPES:  # a floating dtype is a ValueError, another a TypeError (as CausalLM's)
+        why = " (float16 needs a gradient scaler; train has none)" if got == torch.float16 else ""
+        default = " (torch's default dtype)" if dtype is None else ""
+        raise (ValueError if got.is_floating_point else TypeError)(
+            f"dtype: expected one of {_checks._dtype_names(TRAIN_DTYPES)}, got {str(got).replace('torch.', '')}"
+            f"{default}{why}")
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -170,7 +184,8 @@ def train(model_cfg: LMConfig, task: RecallTask, cfg: TrainConfig, *, dtype: tor
 
     Args:
         model_cfg, task, cfg: the model, the task and the optimisation.
-        dtype: of the parameters and activations (float32 or float64).
+        dtype: of the parameters and activations (:data:`TRAIN_DTYPES`: float32, float64 or bfloat16;
+            None: torch's default dtype).
         device: where to run (None: the CPU).
         ep_group: run expert-parallel over this group (each rank calls ``train``), or None.
         ep_mode: one of :data:`EP_MODES` (see the module docstring); ignored without ``ep_group``.
@@ -184,7 +199,7 @@ def train(model_cfg: LMConfig, task: RecallTask, cfg: TrainConfig, *, dtype: tor
         ``{"loss": [float per step], "recall": float, "seconds": float, "tokens_per_second": float}``.
     """
     _check_ep_args(ep_mode, dispatcher)
-    _check_run_args(task, cfg, compile)
+    _check_run_args(task, cfg, compile, dtype)
     if on_step is not None and not callable(on_step):
         raise TypeError(f"on_step: expected None or a callable, got {type(on_step).__name__}")
     device = torch.device("cpu") if device is None else torch.device(device)
@@ -248,7 +263,7 @@ def train_expert_parallel(model_cfg: LMConfig, task: RecallTask, cfg: TrainConfi
     from ..distributed.launch import spawn
 
     _check_ep_args(ep_mode, dispatcher)
-    _check_run_args(task, cfg, compile)
+    _check_run_args(task, cfg, compile, dtype)
     return spawn(_ep_worker, world_size, model_cfg, task, cfg, dtype, ep_mode, dispatcher, compile,
                  backend="gloo", timeout=timeout, threads=threads)[0]
 
