@@ -305,7 +305,8 @@ def check_torch(who: str = "parallelize") -> None:
         ("FSDP2's FSDPModule.set_gradient_divide_factor", hasattr(FSDPModule, "set_gradient_divide_factor")),
         ("FSDP2's FSDPModule.set_force_sum_reduction_for_comms",
          hasattr(FSDPModule, "set_force_sum_reduction_for_comms")),
-        ("init_device_mesh(backend_override=...)", "backend_override" in inspect.signature(init_device_mesh).parameters),
+        ("init_device_mesh(backend_override=...)",
+         "backend_override" in inspect.signature(init_device_mesh).parameters),
         ("mesh groups that take their options' timeout", torch.__version__ >= (2, 10)),
     ) if not found]
     if missing:

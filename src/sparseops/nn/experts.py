@@ -5,7 +5,8 @@ expert on its contiguous row block, written into preallocated outputs (public AP
 and ``"grouped"``, ``torch.nn.functional.grouped_mm`` (or ``torch._grouped_mm`` on older torch), one kernel
 for all experts where the device has one. ``"auto"`` takes grouped on CUDA for 16-bit weights when it
 is available, else the loop. Under ``torch.compile`` grouped runs where grouped_mm's fake kernel takes the
-operands (bf16, aligned strides), the loop elsewhere. The choice lives in :data:`SETTINGS` (``SETTINGS.override(gemm="loop")``).
+operands (bf16, aligned strides), the loop elsewhere. The choice lives in :data:`SETTINGS`
+(``SETTINGS.override(gemm="loop")``).
 """
 
 from __future__ import annotations
